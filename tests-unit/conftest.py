@@ -1,0 +1,50 @@
+"""Shared fixtures for the project's tests.
+
+* ``COMFYUI_DIR``: when set to a checkout of the pinned ComfyUI base, it is appended to
+  ``sys.path`` so that ``comfy`` (a namespace package, as upstream) merges this repository's modules
+  with ComfyUI's. Tests marked ``comfyui`` use the ``comfyui_dir`` fixture and skip without it.
+* ``run_ranks``: run a module-level function on N spawned processes with a gloo group.
+"""
+
+import os
+import sys
+
+import pytest
+
+from rank_runner import free_port as _free_port
+from rank_runner import run_ranks as _run_ranks
+
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR") or None
+if COMFYUI_DIR:
+    COMFYUI_DIR = os.path.abspath(COMFYUI_DIR)
+    if COMFYUI_DIR not in sys.path:
+        sys.path.append(COMFYUI_DIR)
+
+
+def comfyui_available():
+    return bool(COMFYUI_DIR) and os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "model_patcher.py"))
+
+
+@pytest.fixture
+def comfyui_dir():
+    """The ComfyUI checkout (pinned base), imported on CPU; skips when COMFYUI_DIR is unset."""
+    if not COMFYUI_DIR:
+        pytest.skip("COMFYUI_DIR is not set: point it at a checkout of ComfyUI 0f1fa67 "
+                    "(see README, 'Tests against ComfyUI') to run the overlay tests")
+    if not comfyui_available():
+        pytest.skip(f"COMFYUI_DIR={COMFYUI_DIR} does not look like a ComfyUI checkout (no comfy/model_patcher.py)")
+    from comfy.cli_args import args
+    args.cpu = True
+    return COMFYUI_DIR
+
+
+@pytest.fixture
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    return _free_port()
+
+
+@pytest.fixture
+def run_ranks():
+    """``run_ranks(fn, world, kwargs=None, timeout=60.0, process_group=True)`` -> list of rank results."""
+    return _run_ranks
