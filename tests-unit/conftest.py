@@ -19,6 +19,10 @@ if COMFYUI_DIR:
     COMFYUI_DIR = os.path.abspath(COMFYUI_DIR)
     if COMFYUI_DIR not in sys.path:
         sys.path.append(COMFYUI_DIR)
+    if os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "cli_args.py")):
+        # before anything imports comfy.model_management: these tests run on the CPU
+        from comfy.cli_args import args as _comfy_args
+        _comfy_args.cpu = True
 
 
 def comfyui_available():

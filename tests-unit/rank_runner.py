@@ -44,6 +44,10 @@ def main(argv=None):
         import torch
         import torch.distributed as dist
         from safetensors.torch import save_file
+        if os.environ.get("COMFYUI_DIR") and not torch.cuda.is_available():
+            # ComfyUI's model_management asserts CUDA unless told to run on the CPU
+            from comfy.cli_args import args as comfy_args
+            comfy_args.cpu = True
         module_name, fn_name = a.target.split(":")
         fn = getattr(importlib.import_module(module_name), fn_name)
         if a.init:

@@ -1,0 +1,117 @@
+"""H3's timestep domain and the per-segment conditioning derived from it.
+
+The sampler hands the model the *video* sigma (as ``timestep = sigma * 1000``); each token's
+timestep is ``t = 1 - sigma`` of its stream, the audio stream running on its own shifted schedule.
+Condition rows pin near t = 1 (their noise-augmentation level). The adaLN projections are
+evaluated once per distinct t ("unique-t rows"); each segment of the sequence then picks the row
+of its (t, modality tag) pair: mod row = t_row * 3 + tag, tags video 0 / text 1 / audio 2.
+
+All arithmetic here reproduces upstream's float32 tensor expressions exactly, so plans built on
+different ranks (or by upstream's model) agree to the bit.
+"""
+
+import torch
+
+VISUAL_COND_TIMESTEP = 0.999
+AUDIO_COND_TIMESTEP = 1.0
+MODALITY_TAG = {"video": 0, "text": 1, "audio": 2,
+                "cond": 0, "ref_img": 0, "cond_audio": 2, "ref_audio": 2}
+
+
+def time_shift_sigma(sigma, from_shift, to_shift):
+    # invert sigma = s*b/(1+(s-1)*b) to the base grid, re-apply the other shift
+    base = sigma / (from_shift + sigma * (1.0 - from_shift))
+    return to_shift * base / (1.0 + (to_shift - 1.0) * base)
+
+
+def sigma_shifts(transformer_options, default_video, default_audio):
+    """(video, audio) sigma shifts, overridable per run through transformer_options."""
+    return (float(transformer_options.get("minimax_h3_sigma_shift_video", default_video)),
+            float(transformer_options.get("minimax_h3_sigma_shift_audio", default_audio)))
+
+
+def video_sigma(timestep):
+    """[B] timestep (sigma * 1000) -> 0-dim float32 video sigma, clamped away from 0."""
+    return (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
+
+
+def audio_carry(timestep, shift_v, shift_a):
+    """(sigma_v, sigma_a): the sampler carries audio as (sigma_v / sigma_a)^-1 scaled latents."""
+    sigma_v = video_sigma(timestep)
+    return sigma_v, time_shift_sigma(sigma_v, shift_v, shift_a)
+
+
+def carried_audio_velocity(out_audio, carried_audio, scale, sigma_a):
+    """Velocity of the carried audio variable (d/d sigma_v) from the stream's own velocity."""
+    return (1.0 - scale) * carried_audio + (1.0 + (scale - 1.0) * sigma_a).to(out_audio.dtype) * out_audio
+
+
+class TimestepPlan:
+    """Per-segment timesteps and the sorted distinct timesteps (the adaLN rows) of one step."""
+
+    def __init__(self, sigma_v, shift_v, shift_a, layout, vis_aug=VISUAL_COND_TIMESTEP, aud_aug=AUDIO_COND_TIMESTEP):
+        sigma = torch.tensor(float(sigma_v), dtype=torch.float32)
+        self.t_video = float(1.0 - sigma)
+        self.t_audio = float(1.0 - time_shift_sigma(sigma, shift_v, shift_a))
+        vis_aug, aud_aug = float(vis_aug), float(aud_aug)
+        t_vis_cond = max(self.t_video, vis_aug)
+        t_aud_cond = max(self.t_audio, aud_aug)
+        self.segment_t = {"text": self.t_video, "video": self.t_video, "audio": self.t_audio,
+                          "cond": t_vis_cond, "ref_img": t_vis_cond,
+                          "cond_audio": t_aud_cond, "ref_audio": t_aud_cond}
+        unique = {self.t_video, self.t_audio}
+        if layout.has_kind("cond", "ref_img"):
+            unique.add(t_vis_cond)
+        if layout.has_kind("cond_audio", "ref_audio"):
+            unique.add(t_aud_cond)
+        self.unique_t = tuple(sorted(unique))
+        self.t_row = {t: i for i, t in enumerate(self.unique_t)}
+
+    def mod_row(self, kind, tag=None):
+        """Row of the [n_unique_t * 3, hidden] adaLN outputs used by a segment of this kind."""
+        return self.t_row[self.segment_t[kind]] * 3 + (MODALITY_TAG[kind] if tag is None else tag)
+
+    def t_values(self, device):
+        return torch.tensor(self.unique_t, dtype=torch.float32, device=device)
+
+
+def text_tag_runs(tags, length):
+    """Runs of equal modality tags over the text span: [(start, stop, tag)] relative to the span.
+
+    The presentation text mixes tags (vision pad tokens carry the video modality), so the text span
+    is modulated run by run.
+    """
+    tags = [int(t) for t in tags.reshape(-1).tolist()]
+    if len(tags) < length:
+        raise ValueError(f"MiniMax H3 text_token_tags has {len(tags)} entries but the text has {length} tokens; "
+                         "the tags must come from the same tokenisation as the conditioning")
+    tags = tags[:length]
+    bad = sorted({t for t in tags if t not in (0, 1, 2)})
+    if bad:
+        raise ValueError(f"MiniMax H3 text_token_tags must be modality tags 0 (video), 1 (text) or 2 (audio); found {bad}")
+    runs, start = [], 0
+    for i in range(1, length + 1):
+        if i == length or tags[i] != tags[start]:
+            runs.append((start, i, tags[start]))
+            start = i
+    return runs
+
+
+def mod_segments(layout, timesteps, text_tags=None):
+    """[(start, stop, mod_row)] covering the whole sequence contiguously."""
+    out = []
+    for a, b, kind in layout.segments:
+        if kind == "text" and text_tags is not None:
+            base = timesteps.mod_row(kind, tag=0)
+            out.extend((a + s, a + e, base + tag) for s, e, tag in text_tag_runs(text_tags, b - a))
+        else:
+            out.append((a, b, timesteps.mod_row(kind)))
+    return out
+
+
+def curve_t_emb(table, t_vals):
+    """Curve-form checkpoints: linear interpolation in the [grid, t_dim] time-embedding table."""
+    pos = t_vals.clamp(0.0, 1.0) * (table.shape[0] - 1)
+    # the max-clamp keeps t = 1.0 on the last interval instead of reading past the table
+    i0 = pos.floor().long().clamp(max=table.shape[0] - 2)
+    return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))

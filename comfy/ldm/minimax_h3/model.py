@@ -1,0 +1,208 @@
+"""MiniMax H3 audio-video DiT: one forward for native and sequence-parallel runs.
+
+``forward`` undoes the sampler's audio carry around the DIFFUSION_MODEL wrappers; ``_forward``
+builds the step's ForwardPlan and runs it: natively as the single shard of a one-rank ShardPlan,
+or through a sequence-parallel runner placed in ``transformer_options`` (every rank then calls
+``run`` with its own shard). ``run`` embeds only the rows a shard holds, runs every block on them
+and applies the final layer to the target rows among them.
+"""
+
+import hashlib
+import json
+
+import torch
+import torch.nn as nn
+
+from . import kernels
+from .conditioning import audio_carry, carried_audio_velocity, curve_t_emb, sigma_shifts, video_sigma
+from .embedding import (condition_rows, pack_audio, patchify_video, rope_angles, rope_rotation_table, stream_rows,
+                        unpack_audio, unpatchify_video)
+from .modules import DiTBlock, FinalLayer, TimeEmbedder, TokenRefiner
+from .plan import ForwardPlan
+
+# transformer_options key under which a sequence-parallel runner is attached (comfy/parallel side)
+SEQUENCE_PARALLEL_OPTION = "minimax_h3_sequence_parallel"
+
+
+class MiniMaxH3Model(nn.Module):
+    def __init__(self, hidden_size=5376, num_layers=50, token_refiner_num_layers=2,
+                 num_attention_heads=56, attention_head_dim=128, ffn_hidden_size=14336,
+                 latents_dim=24, audio_latents_dim=32, patch_size=(1, 2, 2), text_dim=5120,
+                 timestep_input_dim=256, time_embed_hidden_size=5376, time_embed_dim=2688,
+                 rope_inv_freq_len=16, norm_eps=1e-5, qk_norm_eps=1e-5, final_norm_eps=1e-5,
+                 sigma_shift_video=12.0, sigma_shift_audio=3.0,
+                 adaln_curve_grid=None,
+                 image_model=None, dtype=None, device=None, operations=None, **kwargs):
+        super().__init__()
+        operations = operations or kernels.default_operations()
+        self.dtype = dtype
+        self.hidden_size = hidden_size
+        self.num_heads = num_attention_heads
+        self.patch_size = tuple(patch_size)
+        self.latents_dim = latents_dim
+        self.audio_latents_dim = audio_latents_dim
+        self.text_dim = text_dim
+        self.sigma_shift_video = sigma_shift_video
+        self.sigma_shift_audio = sigma_shift_audio
+        self.use_adaln_curves = adaln_curve_grid is not None
+        self.config = {"hidden_size": hidden_size, "num_layers": num_layers, "token_refiner_num_layers": token_refiner_num_layers,
+                       "num_attention_heads": num_attention_heads, "attention_head_dim": attention_head_dim,
+                       "ffn_hidden_size": ffn_hidden_size, "latents_dim": latents_dim, "audio_latents_dim": audio_latents_dim,
+                       "patch_size": list(self.patch_size), "text_dim": text_dim, "timestep_input_dim": timestep_input_dim,
+                       "time_embed_hidden_size": time_embed_hidden_size, "time_embed_dim": time_embed_dim,
+                       "rope_inv_freq_len": rope_inv_freq_len, "norm_eps": norm_eps, "qk_norm_eps": qk_norm_eps,
+                       "final_norm_eps": final_norm_eps, "sigma_shift_video": sigma_shift_video,
+                       "sigma_shift_audio": sigma_shift_audio, "adaln_curve_grid": adaln_curve_grid}
+        # curve-form checkpoints replace the time embedder and full-width adaln weights with a small
+        # shared basis of the time-embedding curve
+        curve = {"apply_silu": not self.use_adaln_curves,
+                 "adaln_dtype": torch.float32 if self.use_adaln_curves else dtype}
+        video_patch_dim = latents_dim * self.patch_size[0] * self.patch_size[1] * self.patch_size[2]
+
+        self.video_patch_proj = operations.Linear(video_patch_dim, hidden_size, bias=True, dtype=torch.float32, device=device)
+        self.audio_patch_proj = operations.Linear(audio_latents_dim, hidden_size, bias=True, dtype=torch.float32, device=device)
+        self.condition_proj = operations.Linear(text_dim, hidden_size, bias=True, dtype=dtype, device=device)
+        if self.use_adaln_curves:
+            self.register_buffer("adaln_t_table", torch.empty(adaln_curve_grid, time_embed_dim, dtype=torch.float32, device=device))
+        else:
+            self.time_embedder = TimeEmbedder(timestep_input_dim, time_embed_hidden_size, time_embed_dim,
+                                              dtype=torch.float32, device=device, operations=operations)
+        self.rope = nn.Module()
+        self.rope.register_buffer("inv_freq", torch.empty(rope_inv_freq_len, dtype=torch.float32, device=device))
+        self.token_refiner = TokenRefiner(token_refiner_num_layers, hidden_size, num_attention_heads,
+                                          attention_head_dim, ffn_hidden_size, norm_eps, qk_norm_eps,
+                                          final_norm_eps, dtype=dtype, device=device, operations=operations)
+        self.blocks = nn.ModuleList([
+            DiTBlock(hidden_size, num_attention_heads, attention_head_dim, ffn_hidden_size,
+                     time_embed_dim, norm_eps, qk_norm_eps, **curve, dtype=dtype, device=device, operations=operations)
+            for _ in range(num_layers)])
+        self.final_layer = FinalLayer(hidden_size, time_embed_dim, video_patch_dim, audio_latents_dim,
+                                      final_norm_eps, **curve, dtype=dtype, device=device, operations=operations)
+        self.model_key = hashlib.sha256(json.dumps([self.config, str(dtype)], sort_keys=True).encode()).hexdigest()[:16]
+
+    # -- helpers kept for upstream callers (model_base.extra_conds) ---------------------------------
+
+    def preprocess_text_embeds(self, text_states):
+        """[B, L, text_dim] Qwen states -> [B, L, hidden] refined text embeds."""
+        if text_states.shape[-1] == self.hidden_size:
+            return text_states
+        return self.token_refiner(self.condition_proj(text_states[0])).unsqueeze(0)
+
+    def rope_freqs(self, position_ids, device):
+        """[S, 3] float64 -> [S, 96] fp32 rope angles."""
+        return rope_angles(position_ids, kernels.cast_to(self.rope.inv_freq, device))
+
+    # -- forward -------------------------------------------------------------------------------------
+
+    def forward(self, x, timestep, context, transformer_options={}, minimax_payload=None, **kwargs):
+        # the sampler carries the audio as (sigma_v / sigma_a) * x_audio; undo it outside the
+        # wrappers so they and the network see the stream's own latent and velocity
+        scale = float((minimax_payload or {}).get("audio_scale", 1.0))
+        audio_src = x[1]
+        if scale != 1.0:
+            _, sigma_a = audio_carry(timestep, *sigma_shifts(transformer_options, self.sigma_shift_video, self.sigma_shift_audio))
+            carry = (sigma_a / video_sigma(timestep)).to(audio_src.dtype)
+            x = [x[0], audio_src * carry]
+        out = kernels.run_with_wrappers(self._forward, self, transformer_options,
+                                        x, timestep, context, transformer_options, minimax_payload=minimax_payload, **kwargs)
+        if scale != 1.0:
+            out[1] = carried_audio_velocity(out[1], audio_src * carry, scale, sigma_a)
+        return out
+
+    def _forward(self, x, timestep, context, transformer_options={}, minimax_payload=None, **kwargs):
+        video_x, audio_x = x[0], x[1]
+        orig_thw = tuple(video_x.shape[2:5])
+        video_x = kernels.pad_to_patch_size(video_x, self.patch_size)
+        payload = minimax_payload or {}
+        plan = self.plan(video_x, orig_thw, audio_x, timestep, context, transformer_options, payload)
+        runner = transformer_options.get(SEQUENCE_PARALLEL_OPTION)
+        if runner is not None:
+            v, a = runner(self, plan, video_x, audio_x, context, payload, transformer_options)
+        else:
+            v, a = self.run(plan, plan.shard(1, 0, self.num_heads), video_x, audio_x, context, payload, transformer_options)
+        return self.unpack(plan, v, a, video_x.dtype, audio_x.dtype)
+
+    def plan(self, video_x, orig_thw, audio_x, timestep, context, transformer_options, payload):
+        """The step's ForwardPlan (pure; the same on every rank given the same inputs)."""
+        self.check_inputs(video_x, audio_x, context)
+        shifts = sigma_shifts(transformer_options, self.sigma_shift_video, self.sigma_shift_audio)
+        return ForwardPlan.build(video_x.shape, orig_thw, audio_x.shape, context.shape, float(video_sigma(timestep)), shifts,
+                                 payload, self.model_key, self.hidden_size, text_tags=payload.get("text_token_tags"))
+
+    def check_inputs(self, video_x, audio_x, context):
+        if video_x.shape[0] != 1 or audio_x.shape[0] != 1 or context.shape[0] != 1:
+            raise ValueError(f"MiniMax H3 supports batch size 1; got video {tuple(video_x.shape)}, audio "
+                             f"{tuple(audio_x.shape)}, context {tuple(context.shape)}: run cond and uncond separately")
+        if video_x.ndim != 5 or video_x.shape[1] != self.latents_dim:
+            raise ValueError(f"MiniMax H3 expects a video latent [1, {self.latents_dim}, T, H, W]; got {tuple(video_x.shape)}")
+        if audio_x.ndim != 4 or audio_x.shape[1] != self.audio_latents_dim or audio_x.shape[2] != 2:
+            raise ValueError(f"MiniMax H3 expects a stereo audio latent [1, {self.audio_latents_dim}, 2, T]; got {tuple(audio_x.shape)}")
+        if context.ndim != 3 or context.shape[-1] not in (self.text_dim, self.hidden_size):
+            raise ValueError(f"MiniMax H3 expects context [1, L, {self.text_dim}] (Qwen states) or [1, L, {self.hidden_size}] "
+                             f"(refined); got {tuple(context.shape)}")
+
+    def time_embedding(self, plan, device, dtype):
+        """[n_unique_t, t_dim] embedding of the step's distinct timesteps."""
+        t_vals = plan.timesteps.t_values(device)
+        if self.use_adaln_curves:
+            # adaln projections consume interpolated coordinates of the time-embedding curve
+            return curve_t_emb(kernels.cast_to(self.adaln_t_table, device), t_vals)
+        return self.time_embedder(t_vals).to(dtype)
+
+    def embed(self, plan, shard, video_x, audio_x, context, payload, transformer_options):
+        """[shard.rows, hidden] input embeddings of the rows a shard holds."""
+        device, dtype = video_x.device, context.dtype
+        video = stream_rows(condition_rows(payload.get("cond_video_latents", []), lambda z: patchify_video(z, self.patch_size),
+                                           plan.vis_aug, plan.seed, device),
+                            patchify_video(video_x.to(torch.float32), self.patch_size), plan.layout.video_cond_rows, "video")
+        audio = stream_rows(condition_rows(payload.get("cond_audio_latents", []), pack_audio, plan.aud_aug, plan.seed + 1, device),
+                            pack_audio(audio_x.to(torch.float32)), plan.layout.audio_cond_rows, "audio")
+        sources = {}
+        for name, rows, proj in (("video", video, self.video_patch_proj), ("audio", audio, self.audio_patch_proj)):
+            a, b = shard.source_range(name)
+            sources[name] = (a, proj(rows[a:b]).to(dtype))
+        if any(s == "text" for _, _, s, _ in shard.pieces):
+            text = context[0]
+            if plan.refine_text:
+                text = self.token_refiner(self.condition_proj(text), transformer_options=transformer_options)
+            sources["text"] = (0, text)
+        h = torch.empty(shard.rows, self.hidden_size, dtype=dtype, device=device)
+        for a, b, source, off in shard.pieces:
+            first, rows = sources[source]
+            h[a:b] = rows[off - first:off - first + b - a]
+        return h
+
+    def run(self, plan, shard, video_x, audio_x, context, payload, transformer_options, seq_parallel=None):
+        """Run one step on the rows of `shard` -> (video, audio) fp32 velocity rows of its target rows."""
+        device, dtype = video_x.device, context.dtype
+        t_emb = self.time_embedding(plan, device, dtype)
+        h = self.embed(plan, shard, video_x, audio_x, context, payload, transformer_options)
+        # rotation table computed once per forward, consumed by the fused split-half rope
+        rope = rope_rotation_table(self.rope_freqs(shard.positions(plan), device), dtype)
+        mod = list(shard.mod_segments)
+
+        blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
+        prefetch_queue = kernels.make_prefetch_queue(self.blocks, device, transformer_options)
+        for i, block in enumerate(self.blocks):
+            kernels.prefetch_queue_pop(prefetch_queue, device, block)
+            if ("double_block", i) in blocks_replace:
+                def block_wrap(args, block=block):
+                    return {"img": block(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
+                                         transformer_options=args["transformer_options"], seq_parallel=seq_parallel)}
+                h = blocks_replace[("double_block", i)](
+                    {"img": h, "t_emb": t_emb, "mod_segments": mod, "rope_freqs": rope,
+                     "transformer_options": transformer_options},
+                    {"original_block": block_wrap})["img"]
+            else:
+                h = block(h, t_emb, mod, rope, transformer_options=transformer_options, seq_parallel=seq_parallel)
+        if prefetch_queue is not None:
+            kernels.prefetch_queue_pop(prefetch_queue, device, None)
+        return self.final_layer(h, t_emb, shard.video_seg, shard.audio_seg)
+
+    def unpack(self, plan, video_rows, audio_rows, video_dtype, audio_dtype):
+        """Full target velocity rows -> [video, audio] outputs in the sampler's sign convention."""
+        lt, lh, lw = plan.latent_thw
+        ot, oh, ow = plan.orig_thw
+        video = unpatchify_video(video_rows, lt, lh // self.patch_size[1], lw // self.patch_size[2], self.latents_dim, self.patch_size)
+        video = video[:, :, :ot, :oh, :ow]
+        return [-video.to(video_dtype), -unpack_audio(audio_rows).to(audio_dtype)]

@@ -1,0 +1,161 @@
+"""H3's nn.Modules. Parameter and buffer names are the checkpoint's and stable forever.
+
+Every per-token op here works on whatever rows the caller holds (all of them natively, one shard
+under sequence parallelism); only Attention mixes rows, through ``seq_parallel`` when sharded.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+
+from . import kernels
+from .modulation import mod_gate, mod_scale_shift
+
+
+class TimeEmbedder(nn.Module):
+    def __init__(self, freq_dim, hidden, out, dtype=None, device=None, operations=None):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.proj_in = operations.Linear(freq_dim, hidden, bias=True, dtype=dtype, device=device)
+        self.proj_out = operations.Linear(hidden, out, bias=True, dtype=dtype, device=device)
+
+    def forward(self, t):
+        # t: [M] in [0, 1]; fp32 throughout, cos before sin
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t.to(torch.float32)[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.proj_out(nn.functional.silu(self.proj_in(emb)))
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads, head_dim, eps, dtype=None, device=None, operations=None):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = head_dim
+        inner = heads * head_dim
+        self.qkv_proj = operations.Linear(hidden, inner * 3, bias=False, dtype=dtype, device=device)
+        self.q_norm = operations.RMSNorm(head_dim, eps=eps, dtype=dtype, device=device)
+        self.k_norm = operations.RMSNorm(head_dim, eps=eps, dtype=dtype, device=device)
+        self.out_proj = operations.Linear(inner, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x, rope_freqs=None, transformer_options={}, seq_parallel=None):
+        # x: [s, hidden] local rows -> [s, hidden]
+        s, heads, dim = x.shape[0], self.heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [s, 3*H*D] = [q | k | v]
+        q, k, v = qkv.split(heads * dim, dim=-1)
+        if rope_freqs is not None:
+            # fused per-head RMSNorm + partial split-half rope, in place on the qkv buffer
+            qw = kernels.cast_to(self.q_norm.weight, x.device)
+            kw = kernels.cast_to(self.k_norm.weight, x.device)
+            q, k = kernels.rms_rope_(q.view(1, s, heads, dim), k.view(1, s, heads, dim), rope_freqs, qw, kw, self.q_norm.eps)
+            q, k = q[0], k[0]
+        else:
+            q = self.q_norm(q.view(s, heads, dim))
+            k = self.k_norm(k.view(s, heads, dim))
+        if seq_parallel is not None and seq_parallel.world_size > 1:
+            if q.data_ptr() != qkv.data_ptr():  # out-of-place norm/rope: repack for the one all-to-all
+                qkv = torch.stack([q, k, v.view(s, heads, dim)], dim=1)
+            out = seq_parallel.attention(qkv.view(s, 3, heads, dim), transformer_options)
+        else:
+            out = kernels.attention(q, k, v.view(s, heads, dim).clone(), heads, transformer_options)
+        return self.out_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden, ffn, dtype=None, device=None, operations=None):
+        super().__init__()
+        self.fc1 = operations.Linear(hidden, ffn * 2, bias=False, dtype=dtype, device=device)
+        self.fc2 = operations.Linear(ffn, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x):
+        return kernels.swiglu_linear(self.fc2, self.fc1(x))
+
+
+class AdalnProj(nn.Module):
+    def __init__(self, t_dim, hidden, expand, modalities, apply_silu=True, dtype=None, device=None, operations=None):
+        super().__init__()
+        self.expand = expand
+        self.modalities = modalities
+        self.hidden = hidden
+        self.apply_silu = apply_silu
+        self.linear = operations.Linear(t_dim, expand * hidden * modalities, bias=True, dtype=dtype, device=device)
+
+    def forward(self, t_emb):
+        # [M, t_dim] -> `expand` tensors of [M*modalities, hidden]
+        x = self.linear(nn.functional.silu(t_emb) if self.apply_silu else t_emb)
+        x = x.view(x.shape[0] * self.modalities, self.expand * self.hidden)
+        return x.chunk(self.expand, dim=-1)
+
+
+class RefinerBlock(nn.Module):
+    def __init__(self, hidden, heads, head_dim, ffn, eps, qk_eps, dtype=None, device=None, operations=None):
+        super().__init__()
+        self.norm1 = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
+        self.norm2 = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
+        self.attn = Attention(hidden, heads, head_dim, qk_eps, dtype=dtype, device=device, operations=operations)
+        self.mlp = MLP(hidden, ffn, dtype=dtype, device=device, operations=operations)
+
+    def forward(self, x, transformer_options={}):
+        # attn/mlp outputs are fresh: accumulate residuals in place
+        x = self.attn(self.norm1(x), transformer_options=transformer_options).add_(x)
+        return self.mlp(self.norm2(x)).add_(x)
+
+
+class TokenRefiner(nn.Module):
+    def __init__(self, num_layers, hidden, heads, head_dim, ffn, eps, qk_eps, final_eps,
+                 dtype=None, device=None, operations=None):
+        super().__init__()
+        self.blocks = nn.ModuleList([
+            RefinerBlock(hidden, heads, head_dim, ffn, eps, qk_eps, dtype=dtype, device=device, operations=operations)
+            for _ in range(num_layers)])
+        self.final_norm = operations.RMSNorm(hidden, eps=final_eps, dtype=dtype, device=device)
+
+    def forward(self, x, transformer_options={}):
+        for block in self.blocks:
+            x = block(x, transformer_options=transformer_options)
+        return self.final_norm(x)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, hidden, heads, head_dim, ffn, t_dim, eps, qk_eps,
+                 apply_silu=True, adaln_dtype=None, dtype=None, device=None, operations=None):
+        super().__init__()
+        self.norm1 = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
+        self.norm2 = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
+        self.attn = Attention(hidden, heads, head_dim, qk_eps, dtype=dtype, device=device, operations=operations)
+        self.mlp = MLP(hidden, ffn, dtype=dtype, device=device, operations=operations)
+        self.adaln_proj = AdalnProj(t_dim, hidden, 6, 3, apply_silu=apply_silu,
+                                    dtype=adaln_dtype if adaln_dtype is not None else dtype,
+                                    device=device, operations=operations)
+
+    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, seq_parallel=None):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
+        h = mod_scale_shift(self.norm1(x), shift_msa, scale_msa, mod_segments)
+        attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options, seq_parallel=seq_parallel)
+        x = mod_gate(x, gate_msa, attn, mod_segments)
+        h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, mod_segments)
+        return mod_gate(x, gate_mlp, self.mlp(h), mod_segments)
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, hidden, t_dim, video_dim, audio_dim, eps, apply_silu=True, adaln_dtype=None,
+                 dtype=None, device=None, operations=None):
+        super().__init__()
+        self.norm = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
+        self.adaln_proj = AdalnProj(t_dim, hidden, 2, 1, apply_silu=apply_silu,
+                                    dtype=adaln_dtype if adaln_dtype is not None else dtype,
+                                    device=device, operations=operations)
+        # output heads are the checkpoint's fp32 island; norm/adaln are stored at model dtype
+        self.video_out = operations.Linear(hidden, video_dim, bias=True, dtype=torch.float32, device=device)
+        self.audio_out = operations.Linear(hidden, audio_dim, bias=True, dtype=torch.float32, device=device)
+
+    def forward(self, x, t_emb, video_seg, audio_seg):
+        # video_seg / audio_seg: (start, stop, timestep_row) of the target rows held, possibly empty
+        shift, scale = self.adaln_proj(t_emb)
+        va, vb, vrow = video_seg
+        aa, ab, arow = audio_seg
+        hv = (self.norm(x[va:vb]) * (1.0 + scale[vrow]) + shift[vrow]).to(torch.float32)
+        ha = (self.norm(x[aa:ab]) * (1.0 + scale[arow]) + shift[arow]).to(torch.float32)
+        return self.video_out(hv), self.audio_out(ha)

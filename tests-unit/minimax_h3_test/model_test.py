@@ -1,0 +1,98 @@
+"""State-dict compatibility, input validation and checkpoint loading of MiniMaxH3Model."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from comfy.ldm.minimax_h3.checkpoint import LoaderSpec, detect_config, load_checkpoint
+from comfy.ldm.minimax_h3.model import MiniMaxH3Model
+from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+from h3_cases import tiny_model
+
+KEYS = os.path.join(os.path.dirname(__file__), "data", "tiny_state_dict_keys.json")
+
+
+@pytest.mark.parametrize("form,curve", [("full", None), ("curve", 9)])
+def test_state_dict_matches_upstream_key_list(form, curve):
+    # the list was derived from upstream's MiniMaxH3Model (same tiny config, bf16); fp32 islands included
+    with open(KEYS) as f:
+        expected = json.load(f)[form]
+    model = MiniMaxH3Model(**TINY_CONFIG, adaln_curve_grid=curve, dtype=torch.bfloat16)
+    got = [[k, list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in model.state_dict().items()]
+    assert sorted(got) == sorted(expected)
+
+
+def _forward(model, cfg, kind="t2va", **kw):
+    x, t, c, p = step_inputs(cfg, kind, **kw)
+    return model(x, t, c, {}, minimax_payload=p)
+
+
+def test_bad_inputs_are_refused_with_the_fix():
+    model, cfg = tiny_model()
+    x, t, c, p = step_inputs(cfg, "t2va")
+    with pytest.raises(ValueError, match="batch size 1"):
+        model([x[0].repeat(2, 1, 1, 1, 1), x[1]], t, c, {}, minimax_payload=p)
+    with pytest.raises(ValueError, match=r"video latent \[1, 24, T, H, W\]"):
+        model([x[0][:, :16], x[1]], t, c, {}, minimax_payload=p)
+    with pytest.raises(ValueError, match="stereo audio latent"):
+        model([x[0], x[1][:, :, :1]], t, c, {}, minimax_payload=p)
+    with pytest.raises(ValueError, match="expects context"):
+        model(x, t, c[..., :10], {}, minimax_payload=p)
+    x, t, c, p = step_inputs(cfg, "keyframes")
+    p["cond_video_latents"] = p["cond_video_latents"][:1]
+    with pytest.raises(ValueError, match="condition rows but the conditioning latents give"):
+        model(x, t, c, {}, minimax_payload=p)
+
+
+def test_refined_context_skips_the_token_refiner():
+    model, cfg = tiny_model()
+    x, t, c, p = step_inputs(cfg, "tags")
+    refined = model.preprocess_text_embeds(c)
+    assert refined.shape[-1] == cfg["hidden_size"]
+    a = model(x, t, c, {}, minimax_payload=p)
+    b = model(x, t, refined, {}, minimax_payload=p)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)
+
+
+def test_block_patch_and_sigma_shift_reach_the_forward():
+    model, cfg = tiny_model()
+    base = _forward(model, cfg)
+    calls = []
+
+    def patch(args, extra):
+        calls.append(args["img"].shape[0])
+        return {"img": extra["original_block"](args)["img"] * 0.5}
+
+    x, t, c, p = step_inputs(cfg, "t2va")
+    patched = model(x, t, c, {"patches_replace": {"dit": {("double_block", 1): patch}}}, minimax_payload=p)
+    assert calls == [7 + 2 * 5 + 3 * 3 * 4] and not torch.allclose(patched[0], base[0])
+    shifted = model(x, t, c, {"minimax_h3_sigma_shift_audio": 5.0}, minimax_payload=p)
+    assert torch.equal(shifted[0].isnan(), base[0].isnan()) and not torch.allclose(shifted[1], base[1])
+
+
+def test_checkpoint_round_trip_missing_keys_and_hash(tmp_path):
+    model, cfg = tiny_model(dtype=torch.bfloat16, curve=9)
+    sd = {"model.diffusion_model." + k: v.contiguous() for k, v in model.state_dict().items()}
+    path = str(tmp_path / "h3.safetensors")
+    save_file(sd, path)
+    spec = LoaderSpec.for_file(path)
+    assert spec.config == detect_config({k[len("model.diffusion_model."):]: tuple(v.shape) for k, v in sd.items()})
+    assert LoaderSpec.from_json(spec.to_json()) == spec
+    loaded = spec.load()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert not any(p.requires_grad for p in loaded.parameters())
+
+    broken = dict(sd)
+    del broken["model.diffusion_model.blocks.1.mlp.fc2.weight"]
+    del broken["model.diffusion_model.final_layer.norm.weight"]
+    save_file(broken, str(tmp_path / "broken.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['blocks.1.mlp.fc2.weight', 'final_layer.norm.weight'\]"):
+        load_checkpoint(str(tmp_path / "broken.safetensors"), config=spec.config)
+    with pytest.raises(ValueError, match="has sha256 .* expected 00"):
+        load_checkpoint(path, sha256="00" * 32)
+    with pytest.raises(ValueError, match="unknown fields"):
+        LoaderSpec.from_json('{"path": "x", "sha256": "y", "config": {}, "dtype": "bfloat16", "pickle": 1}')
