@@ -31,10 +31,21 @@ class UlyssesAttention:
         if sum(self.heads) != heads:
             raise ValueError(f"ShardPlan splits {sum(self.heads)} heads but the model has {heads}; build it with heads={heads}")
 
+    def pack_heads(self, qkv):
+        """[s_r, 3, H, D] -> flat [rank 0's heads | rank 1's heads | ...], each [s_r, 3, h_j, D]: one copy."""
+        s_r, d = qkv.shape[0], self.head_dim
+        send = torch.empty(qkv.numel(), dtype=qkv.dtype, device=qkv.device)
+        off = 0
+        for a, b in self.head_ranges:
+            n = s_r * 3 * (b - a) * d
+            send[off:off + n].view(s_r, 3, b - a, d).copy_(qkv[:, :, a:b])
+            off += n
+        return send
+
     def heads_to_seq(self, qkv):
         """[s_r, 3, H, D] rows of all heads -> [S, 3, h_r, D] all rows of this rank's heads."""
         d, s_r, h_r = self.head_dim, self.rows[self.rank], self.heads[self.rank]
-        send = torch.cat([qkv[:, :, a:b].reshape(-1) for a, b in self.head_ranges])
+        send = self.pack_heads(qkv)
         recv = torch.empty(sum(self.rows) * 3 * h_r * d, dtype=qkv.dtype, device=qkv.device)
         dist.all_to_all_single(recv, send, output_split_sizes=[s * 3 * h_r * d for s in self.rows],
                                input_split_sizes=[s_r * 3 * h * d for h in self.heads], group=self.group)
