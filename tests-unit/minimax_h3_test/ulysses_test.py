@@ -51,7 +51,7 @@ def test_block_patches_are_refused_when_sharded():
     model, cfg = tiny_model()
     plan, (video, audio, c, p), _ = plan_for(model, cfg)
     opts = {"patches_replace": {"dit": {("double_block", 0): lambda args, extra: args}}}
-    with pytest.raises(ValueError, match=r"cannot run block replacement patches \[\('double_block', 0\)\]"):
+    with pytest.raises(ValueError, match=r"cannot run block replacement patches \[\"\('double_block', 0\)\"\]"):
         sharded_forward(model, plan, 0, 2, video, audio, c, p, opts)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from .step_io import check_replicable_options
 
 
 class UlyssesAttention:
@@ -88,17 +89,9 @@ def gather_targets(shard, video_rows, audio_rows, dst=0, group=None):
     return torch.cat(video), torch.cat(audio)
 
 
-def check_shardable(transformer_options):
-    """Refuse per-block patches: they would run on rank 0's rows only and silently diverge."""
-    replaced = sorted(k for k in transformer_options.get("patches_replace", {}).get("dit", {}))
-    if replaced:
-        raise ValueError(f"MiniMax H3 sequence parallelism cannot run block replacement patches {replaced} "
-                         "(patches_replace['dit']): they run on rank 0's rows only. Remove the patch or run on one GPU.")
-
-
 def sharded_forward(model, plan, rank, world_size, video_x, audio_x, context, payload, transformer_options, group=None):
     """This rank's part of one step; returns the full (video, audio) target rows on rank 0, else (None, None)."""
-    check_shardable(transformer_options)
+    check_replicable_options(transformer_options)
     shard = plan.shard(world_size, rank, model.num_heads)
     sp = UlyssesAttention(shard, model.num_heads, model.config["attention_head_dim"], group=group)
     v, a = model.run(plan, shard, video_x, audio_x, context, payload, transformer_options, seq_parallel=sp)
