@@ -1,0 +1,495 @@
+"""PatchSnapshot without ComfyUI: capture, canonical encoding, tamper rejection, apply/restore, deltas, acks.
+
+The patcher and adapters here are stand-ins with the attributes ComfyUI's expose; the overlay tests
+(model_patcher_snapshot_overlay_test.py) repeat the parity checks against the real ModelPatcher.
+Arithmetic is pinned to "builtin" so these tests behave the same with or without COMFYUI_DIR.
+"""
+
+import hashlib
+import json
+import math
+import struct
+import uuid
+
+import pytest
+import torch
+
+from comfy import model_patcher_snapshot, model_patcher_snapshot_codec as codec
+from comfy.model_patcher_snapshot import (PatchSnapshot, SnapshotAck, SnapshotApplier, SnapshotApplyError,
+                                          SnapshotFormatError, SnapshotNotAcked, UnsupportedPatchState, apply,
+                                          decode, require_acks, restore)
+
+PREFIX = "diffusion_model."
+
+
+@pytest.fixture(autouse=True)
+def _as_without_comfyui(monkeypatch):
+    """Run as a process without ComfyUI: once the overlay tests loaded comfy.weight_adapter, capture
+    would (rightly) refuse the stand-in adapters below as not being ComfyUI's registered classes."""
+    monkeypatch.setattr(model_patcher_snapshot, "_registered_adapters", lambda: None)
+
+
+class Adapter:
+    """Stand-in for a ComfyUI WeightAdapterBase: what capture reads is ``name`` and ``weights``."""
+
+    def __init__(self, name, weights):
+        self.name = name
+        self.weights = weights
+        self.loaded_keys = set()
+
+
+class Patcher:
+    """Stand-in for ModelPatcher with the same public attributes and add_patches semantics."""
+
+    def __init__(self, model):
+        self.model = model
+        self.patches = {}
+        self.patches_uuid = uuid.uuid4()
+        self.object_patches = {}
+        self.force_cast_weights = False
+        self.hook_patches = {}
+        self.weight_wrapper_patches = {}
+        self.injections = {}
+
+    def model_state_dict(self):
+        return {PREFIX + k: v for k, v in self.model.state_dict().items()}
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        for k, v in patches.items():
+            key, offset, function = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
+            self.patches.setdefault(key, []).append((strength_patch, v, strength_model, offset, function))
+        self.patches_uuid = uuid.uuid4()
+
+
+def h3_linear_shapes(blocks=50, refiner=2, hidden=64, heads=4, head_dim=16, ffn=96):
+    """The 4 linears of every H3 DiT block and token-refiner block: 50 * 4 + 2 * 4 = 208 weights."""
+    inner = heads * head_dim
+    per_block = {"attn.qkv_proj": (3 * inner, hidden), "attn.out_proj": (hidden, inner),
+                 "mlp.fc1": (2 * ffn, hidden), "mlp.fc2": (hidden, ffn)}
+    return {f"{stack}.{i}.{lin}.weight": shape
+            for stack, n in (("blocks", blocks), ("token_refiner.blocks", refiner))
+            for i in range(n) for lin, shape in per_block.items()}
+
+
+def module_from_shapes(shapes, dtype, seed=0):
+    root = torch.nn.Module()
+    g = torch.Generator().manual_seed(seed)
+    for name, shape in shapes.items():
+        owner = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype), requires_grad=False))
+    return root
+
+
+def h3_lora(shapes, rank=4, seed=1, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return {PREFIX + k: Adapter("lora", (torch.randn(o, rank, generator=g).to(dtype), torch.randn(rank, i, generator=g).to(dtype),
+                                         float(rank * 2), None, None, None))
+            for k, (o, i) in shapes.items()}
+
+
+def every_form_patcher(order=1):
+    """One patcher holding every patch value form the schema carries; ``order`` reverses dict insertion."""
+    shapes = {"a.weight": (12, 8), "b.weight": (8, 8), "c.weight": (12, 8), "d.bias": (12,)}
+    model = module_from_shapes(shapes, torch.float32)
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s, dt=torch.float32: torch.randn(s, generator=g).to(dt)
+    w = PREFIX + "a.weight"
+    patches = [  # (key or (key, offset), value, strength, strength_model)
+        (w, Adapter("lora", (r(12, 2, dt=torch.bfloat16), r(2, 8, dt=torch.bfloat16), 1.0, None, None, None)), 0.75, 1.0),
+        (w, Adapter("lora", (r(12, 2), r(2, 8), None, r(2, 2, 1, 1), r(12, 1), [12, 8])), 1.0, 0.5),
+        (w, ("diff", (r(12, 8, dt=torch.float16),)), -0.25, 1.0),
+        ((w, (0, 4, 4)), ("set", (r(4, 8),)), 1.0, 1.0),
+        (PREFIX + "b.weight", Adapter("loha", (r(8, 2), r(2, 8), 2, r(8, 2), r(2, 8), None, None, None)), 1.0, 1.0),
+        (PREFIX + "b.weight", Adapter("lokr", (r(2, 2), r(4, 4), 4.0, None, None, None, None, None, None)), 0.5, 1.0),
+        (PREFIX + "c.weight", Adapter("glora", (r(2, 8), r(12, 2), r(2, 8), r(12, 2), 3.0, None)), 1.0, 1.0),
+        (PREFIX + "c.weight", Adapter("oft", (r(3, 4, 4), r(12, 1, dt=torch.float8_e4m3fn), 1e-3, None)), 1.0, 1.0),
+        (PREFIX + "c.weight", Adapter("boft", (r(2, 3, 4, 4), None, 0, None)), 1.0, 1.0),
+        (PREFIX + "c.weight", ("diff", (r(16, 8), {"pad_weight": True})), 1.0, 1.0),
+        (PREFIX + "d.bias", (r(12, dt=torch.float64),), 2.0, 1.0),
+        (PREFIX + "d.bias", ("diff", (torch.zeros(0, 3),)), 0.0, 1.0),
+        (PREFIX + "d.bias", Adapter("lora", (r(12, 1), r(1, 1), torch.tensor(0.5), None, None, None)), 1.0, 1.0),
+    ]
+    by_key = {}
+    for k, v, s, sm in patches:
+        by_key.setdefault(k if isinstance(k, str) else k[0], []).append(({k: v}, s, sm))
+    p = Patcher(model)
+    for key in list(by_key)[::order]:
+        for d, s, sm in by_key[key]:
+            p.add_patches(d, s, sm)
+    p.object_patches = {"model_sampling": object(), "manual_cast_dtype": torch.bfloat16}
+    p.force_cast_weights = True
+    return p
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _repack(blob, edit):
+    """Decode the framing, let ``edit`` change the manifest object, re-pack with a matching digest."""
+    envelope, manifest_raw, payload = codec.unpack(blob)
+    manifest = json.loads(manifest_raw)
+    edit(manifest)
+    raw = codec.canonical_json(manifest)
+    return codec.pack({**envelope, "digest": hashlib.sha256(raw).hexdigest()}, raw, bytes(payload))
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def test_round_trip_is_bit_exact_for_every_form():
+    snap = PatchSnapshot.capture(every_form_patcher())
+    blob = snap.encode()
+    back = PatchSnapshot.decode(blob)
+    assert back.encode() == blob
+    assert back.version == snap.version == (1, hashlib.sha256(snap.manifest_bytes).hexdigest())
+    assert back.patches == snap.patches
+    assert set(back.tensors) == set(snap.tensors) and len(snap.tensors) == 27
+    for name, t in snap.tensors.items():
+        assert _same_bits(back.tensors[name], t), name
+    # the forms survive as the worker needs them: order, strengths, offsets, scalar types, flags
+    a = back.entries(PREFIX + "a.weight")
+    assert [(e["strength"], e["strength_model"], e["offset"]) for e in a] == \
+        [(0.75, 1.0, None), (1.0, 0.5, None), (-0.25, 1.0, None), (1.0, 1.0, [0, 4, 4])]
+    assert a[1]["value"]["weights"][2] is None and a[1]["value"]["weights"][5] == {"ints": [12, 8]}
+    assert back.entries(PREFIX + "b.weight")[0]["value"]["weights"][2] == {"int": 2}
+    assert back.entries(PREFIX + "c.weight")[3]["value"] == {"type": "diff", "tensor": PREFIX + "c.weight/3/0", "pad_weight": True}
+    assert back.entries(PREFIX + "d.bias")[0]["value"]["type"] == "diff"
+    assert back.object_patches == {"manual_cast_dtype": "bfloat16"} and back.force_cast_weights is True
+    assert json.loads(json.dumps(back.describe()))["entries"] == {"lora": 3, "diff": 4, "set": 1, "loha": 1, "lokr": 1,
+                                                                   "glora": 1, "oft": 1, "boft": 1}
+
+
+def test_digest_ignores_dict_order():
+    a = PatchSnapshot.capture(every_form_patcher(order=1))
+    b = PatchSnapshot.capture(every_form_patcher(order=-1))
+    assert list(every_form_patcher(order=1).patches) == list(every_form_patcher(order=-1).patches)[::-1]
+    assert a.digest == b.digest and a.encode() == b.encode()
+
+
+def _digest_in_child(rank, world):
+    snap = PatchSnapshot.capture(every_form_patcher(order=1 if rank == 0 else -1))
+    return {"digest": snap.digest, "blob_sha256": hashlib.sha256(snap.encode()).hexdigest()}
+
+
+def test_digest_stable_across_processes(run_ranks):
+    here = PatchSnapshot.capture(every_form_patcher())
+    out = run_ranks(_digest_in_child, 2, process_group=False, timeout=120)
+    assert [o["digest"] for o in out] == [here.digest] * 2
+    assert [o["blob_sha256"] for o in out] == [hashlib.sha256(here.encode()).hexdigest()] * 2
+
+
+def _flip(blob, pos):
+    b = bytearray(blob)
+    b[pos] ^= 0x01
+    return bytes(b)
+
+
+def _manifest_span(blob):
+    (n_env,) = struct.unpack("<Q", blob[8:16])
+    start = 16 + n_env + 8
+    (n_man,) = struct.unpack("<Q", blob[16 + n_env:start])
+    return start, start + n_man
+
+
+@pytest.mark.parametrize("case, match", [
+    ("payload byte", "does not match its sha256"),
+    ("manifest byte", "does not match the digest"),
+    ("envelope digest", "does not match the digest"),
+    ("magic", "not a patch snapshot"),
+    ("truncated payload", "truncated or has trailing bytes"),
+    ("truncated manifest", "truncated inside the manifest"),
+    ("truncated header", "truncated before the envelope length"),
+    ("trailing bytes", "truncated or has trailing bytes"),
+    ("schema version", "schema version is 2, this ComfyUI reads version 1"),
+    ("unknown field", "expected an object with the fields"),
+    ("non-canonical json", "not in canonical form"),
+    ("wrong dtype", "safetensors header does not match"),
+    ("tensor name", "canonical tensor name"),
+    ("unknown adapter", "expected one of"),
+    ("lineage", "envelope.lineage"),
+    ("not bytes", "expected bytes"),
+])
+def test_decode_rejects(case, match):
+    blob = PatchSnapshot.capture(every_form_patcher()).encode()
+    m0, m1 = _manifest_span(blob)
+    bad = {
+        "payload byte": lambda: _flip(blob, len(blob) - 3),
+        "manifest byte": lambda: _flip(blob, m0 + 40),
+        "envelope digest": lambda: codec.pack({"digest": "0" * 64, "lineage": 1}, blob[m0:m1], blob[m1:]),
+        "magic": lambda: b"PK\x03\x04" + blob[4:],
+        "truncated payload": lambda: blob[:-5],
+        "truncated manifest": lambda: blob[:m0 + 10],
+        "truncated header": lambda: blob[:12],
+        "trailing bytes": lambda: blob + b"\x00",
+        "schema version": lambda: _repack(blob, lambda m: m.update(schema=2)),
+        "unknown field": lambda: _repack(blob, lambda m: m.update(hooks=[])),
+        "non-canonical json": lambda: codec.pack({"digest": hashlib.sha256(blob[m0:m1] + b" ").hexdigest(), "lineage": 1},
+                                                 blob[m0:m1] + b" ", blob[m1:]),
+        "wrong dtype": lambda: _repack(blob, lambda m: m["tensors"][PREFIX + "a.weight/0/0"].update(dtype="float16")),
+        "tensor name": lambda: _repack(blob, lambda m: m["patches"][PREFIX + "a.weight"][2]["value"].update(tensor="x")),
+        "unknown adapter": lambda: _repack(blob, lambda m: m["patches"][PREFIX + "b.weight"][0]["value"].update(adapter="ia3")),
+        "lineage": lambda: codec.pack({"digest": hashlib.sha256(blob[m0:m1]).hexdigest(), "lineage": -1}, blob[m0:m1], blob[m1:]),
+        "not bytes": lambda: blob.decode("latin-1"),
+    }[case]()
+    with pytest.raises(SnapshotFormatError, match=match):
+        decode(bad)
+
+
+def test_decode_respects_size_limit_and_kind():
+    blob = PatchSnapshot.capture(every_form_patcher()).encode()
+    with pytest.raises(SnapshotFormatError, match="over the limit"):
+        decode(blob, max_bytes=len(blob) - 1)
+    empty = PatchSnapshot.empty()
+    delta = PatchSnapshot.capture(every_form_patcher()).diff(empty).encode()
+    with pytest.raises(SnapshotFormatError, match="expected a full snapshot, got a delta"):
+        PatchSnapshot.decode(delta)
+    assert decode(empty.encode()).digest == empty.digest
+
+
+# ---------------------------------------------------------------------------------------------
+# apply / restore / delta
+
+
+def _h3_setup(dtype=torch.bfloat16):
+    shapes = h3_linear_shapes()
+    model = module_from_shapes(shapes, dtype)
+    patcher = Patcher(model)
+    patcher.add_patches(h3_lora(shapes), 0.8)
+    return shapes, model, patcher
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)])
+def test_h3_208_key_lora_applies_then_clears_to_exact_base(dtype, tol):
+    shapes, model, patcher = _h3_setup(dtype)
+    assert len(shapes) == 208
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    snap = PatchSnapshot.decode(PatchSnapshot.capture(patcher).encode())
+    applier = SnapshotApplier(model, PREFIX, arithmetic="builtin")
+    assert len(applier.apply(snap)) == 208
+    for key, t in model.state_dict().items():
+        up, down, alpha = patcher.patches[PREFIX + key][0][1].weights[:3]
+        # independent float64 reference, rounded once to the weight dtype: within one rounding step
+        expect = base[key].double() + 0.8 * alpha / down.shape[0] * (up.double() @ down.double())
+        torch.testing.assert_close(t.double(), expect.to(dtype).double(), rtol=tol, atol=tol)
+        assert not torch.equal(t, base[key])
+    assert applier.backup_bytes == sum(t.numel() * t.element_size() for t in base.values())
+    assert applier.apply(PatchSnapshot.empty(lineage=2)) == sorted(PREFIX + k for k in shapes)
+    for key, t in model.state_dict().items():
+        assert torch.equal(t, base[key]) and t.data_ptr() == ptrs[key], key
+    assert applier.backup_bytes == 0
+
+
+def test_base_weights_source_keeps_no_copies_and_matches_backups():
+    shapes, model, patcher = _h3_setup()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    twin = module_from_shapes(shapes, torch.bfloat16)
+    snap = PatchSnapshot.capture(patcher)
+    SnapshotApplier(twin, PREFIX, arithmetic="builtin").apply(snap)
+    applier = SnapshotApplier(model, PREFIX, arithmetic="builtin", base_weights=base.__getitem__)
+    applier.apply(snap)
+    assert applier.backup_bytes == 0
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, twin.state_dict()[k]), k
+    assert len(applier.restore()) == 208
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, base[k]), k
+    wrong = SnapshotApplier(model, PREFIX, arithmetic="builtin", base_weights=lambda k: base[k].float())
+    with pytest.raises(SnapshotApplyError, match=r"base_weights gave \(64, 64\) torch.float32, the parameter is "
+                                                 r"\(64, 64\) torch.bfloat16.*restored to its base weights"):
+        wrong.apply(snap)
+    calls = []
+
+    def fails_after_ten(k):
+        calls.append(k)
+        if len(calls) > 10:
+            raise OSError("checkpoint went away")
+        return base[k]
+
+    flaky = SnapshotApplier(model, PREFIX, arithmetic="builtin", base_weights=fails_after_ten)
+    with pytest.raises(SnapshotApplyError, match="checkpoint went away.*weights are undefined; rebuild it"):
+        flaky.apply(snap)
+    with pytest.raises(SnapshotApplyError, match="weights are undefined"):
+        flaky.apply(PatchSnapshot.empty())
+
+
+def test_offset_chain_and_strength_model_touch_only_their_rows():
+    model = module_from_shapes({"blocks.0.attn.qkv_proj.weight": (12, 4)}, torch.float32)
+    w = model.get_parameter("blocks.0.attn.qkv_proj.weight")
+    base = w.clone()
+    key = PREFIX + "blocks.0.attn.qkv_proj.weight"
+    p = Patcher(model)
+    k_rows = torch.arange(16.0).reshape(4, 4)
+    p.add_patches({(key, (0, 4, 4)): ("diff", (k_rows,))}, 0.5, 2.0)
+    p.add_patches({(key, (0, 8, 4)): ("set", (torch.ones(4, 4),))})
+    apply(PatchSnapshot.capture(p), model, PREFIX, arithmetic="builtin")
+    assert torch.equal(w[:4], base[:4])
+    assert torch.equal(w[4:8], base[4:8] * 2.0 + 0.5 * k_rows)
+    assert torch.equal(w[8:], torch.ones(4, 4))
+    assert restore(model) == [key] and torch.equal(w, base)
+
+
+def test_delta_rewrites_only_changed_keys():
+    shapes, model, patcher = _h3_setup()
+    first = PatchSnapshot.capture(patcher)
+    applier = SnapshotApplier(model, PREFIX, arithmetic="builtin")
+    applier.apply(first)
+    keys = sorted(patcher.patches)
+    changed, removed, added = keys[:3], keys[3], PREFIX + "blocks.7.mlp.fc2.weight"
+    for k in changed:
+        s, v, sm, off, fn = patcher.patches[k][0]
+        patcher.patches[k] = [(0.3, v, sm, off, fn)]
+    del patcher.patches[removed]
+    patcher.add_patches({added: ("diff", (torch.full(shapes["blocks.7.mlp.fc2.weight"], 0.5),))})
+    second = PatchSnapshot.capture(patcher, previous=first)
+    assert second.lineage == 2
+    delta = second.diff(first)
+    blob = delta.encode()
+    assert sorted(delta.patches) == sorted(changed + [added]) and delta.removed == [removed]
+    assert {n.rsplit("/", 2)[0] for n in delta.tensor_metas} == set(changed + [added])
+    assert len(blob) < len(second.encode()) / 10
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rewritten = applier.apply(decode(blob))
+    assert rewritten == sorted(changed + [removed, added])
+    assert applier.applied.version == second.version and applier.ack(3).version == second.version
+    fresh = module_from_shapes(shapes, torch.bfloat16)
+    SnapshotApplier(fresh, PREFIX, arithmetic="builtin").apply(second)
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, fresh.state_dict()[k]), k
+        if PREFIX + k not in rewritten:
+            assert torch.equal(t, before[k]), k
+    with pytest.raises(SnapshotApplyError, match="send the full snapshot"):
+        SnapshotApplier(fresh, PREFIX, arithmetic="builtin").apply(decode(blob))
+
+
+def test_capture_lineage_follows_content():
+    _, _, patcher = _h3_setup()
+    a = PatchSnapshot.capture(patcher)
+    assert PatchSnapshot.capture(patcher, previous=a).version == a.version
+    # patches_uuid is the cache key, as for ComfyUI's own re-patching: same uuid, entries not re-read
+    stash = patcher.patches
+    patcher.patches = {}
+    assert PatchSnapshot.capture(patcher, previous=a).version == a.version
+    patcher.patches = stash
+    patcher.object_patches["manual_cast_dtype"] = torch.float16
+    b = PatchSnapshot.capture(patcher, previous=a)
+    assert b.lineage == 2 and b.digest != a.digest and b.diff(a).patches == {}
+    patcher.patches.clear()
+    patcher.object_patches.clear()
+    patcher.patches_uuid = uuid.uuid4()
+    c = PatchSnapshot.capture(patcher, previous=b)
+    assert (c.lineage, c.digest, c.key_count) == (3, PatchSnapshot.empty().digest, 0)
+
+
+def test_builtin_refuses_what_it_cannot_merge_and_changes_nothing():
+    model = module_from_shapes({"x.weight": (8, 8), "y.weight": (8, 8)}, torch.float32)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    p = Patcher(model)
+    p.add_patches({PREFIX + "x.weight": ("diff", (torch.ones(8, 8),))})
+    p.add_patches({PREFIX + "y.weight": Adapter("loha", (torch.ones(8, 1), torch.ones(1, 8), None, torch.ones(8, 1), torch.ones(1, 8), None, None, None))})
+    with pytest.raises(SnapshotApplyError, match=r"y\.weight: entry 0: adapter 'loha' needs ComfyUI"):
+        SnapshotApplier(model, PREFIX, arithmetic="builtin").apply(PatchSnapshot.capture(p))
+    fp8 = module_from_shapes({"x.weight": (8, 8)}, torch.float8_e4m3fn)
+    q = Patcher(fp8)
+    q.add_patches({PREFIX + "x.weight": ("diff", (torch.ones(8, 8),))})
+    with pytest.raises(SnapshotApplyError, match="stochastic_rounding"):
+        SnapshotApplier(fp8, PREFIX, arithmetic="builtin").apply(PatchSnapshot.capture(q))
+    with pytest.raises(SnapshotApplyError, match="outside this model's prefix"):
+        SnapshotApplier(model, "other.", arithmetic="builtin").apply(PatchSnapshot.capture(p))
+    p.patches.pop(PREFIX + "y.weight")
+    p.add_patches({PREFIX + "y.weight": ("diff", (torch.ones(9, 8), {"pad_weight": True}))})
+    applier = SnapshotApplier(model, PREFIX, arithmetic="builtin")
+    with pytest.raises(SnapshotApplyError, match="restored to its base weights"):
+        applier.apply(PatchSnapshot.capture(p))
+    assert applier.applied is None and applier.backup_bytes == 0
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, base[k]), k
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals
+
+
+def test_every_unsupported_state_is_named():
+    model = module_from_shapes({f"k{i}.weight": (4, 4) for i in range(11)}, torch.float32)
+    p = Patcher(model)
+    t = torch.ones(4, 4)
+
+    class Quantized(torch.Tensor):
+        pass
+
+    p.add_patches({(PREFIX + "k0.weight", None, torch.relu): ("diff", (t,))})
+    p.add_patches({PREFIX + "missing.weight": ("diff", (t,))})
+    p.add_patches({PREFIX + "k1.weight": ("model_as_lora", (t,))})
+    p.add_patches({PREFIX + "k2.weight": [(t, lambda a, **kw: a)]})
+    p.add_patches({PREFIX + "k3.weight": Adapter("ia3", (t,))})
+    p.add_patches({PREFIX + "k4.weight": ("diff", (t,))}, strength_patch=math.nan)
+    p.add_patches({PREFIX + "k5.weight": ("diff", (t.as_subclass(Quantized),))})
+    p.add_patches({PREFIX + "k6.weight": ("diff", (t.to(torch.int32),))})
+    p.add_patches({PREFIX + "k7.weight": ("diff", (t, "pad"))})
+    p.add_patches({PREFIX + "k9.weight": ("diff", (t,))})
+    p.add_patches({PREFIX + "k10.weight": (t, t)})
+    p.hook_patches = {object(): {PREFIX + "k8.weight": [(1.0, ("diff", (t,)), 1.0, None, None)]}}
+    p.weight_wrapper_patches = {PREFIX + "k9.weight": [torch.relu]}
+    p.injections = {"bypass_lora": [object()], "unused": []}
+    p.object_patches = {"diffusion_model.blocks": torch.nn.Identity(), "model_sampling": object(), "manual_cast_dtype": torch.int8}
+    with pytest.raises(UnsupportedPatchState) as ei:
+        PatchSnapshot.capture(p)
+    reasons = dict(ei.value.problems)
+    expected = {
+        PREFIX + "k0.weight": "custom function relu",
+        PREFIX + "missing.weight": "the model has no such weight",
+        PREFIX + "k1.weight": "'model_as_lora' needs the original weights",
+        PREFIX + "k2.weight": "nested patch list",
+        PREFIX + "k3.weight": "adapter 'ia3' is not one this schema carries",
+        PREFIX + "k4.weight": "entry 0: strengths (nan, 1.0) are not finite Python numbers",
+        PREFIX + "k5.weight": "tensor of type Quantized",
+        PREFIX + "k6.weight": "dtype torch.int32",
+        PREFIX + "k7.weight": "lack a bool 'pad_weight'",
+        PREFIX + "k8.weight": "weight hook patch",
+        PREFIX + "k9.weight": "weight wrapper function",
+        PREFIX + "k10.weight": "pair whose first item is Tensor",
+        "injections[bypass_lora]": "patcher injection",
+        "diffusion_model.blocks": "object patch replaces Identity inside the diffusion model",
+        "manual_cast_dtype": "compute dtype torch.int8",
+    }
+    assert ei.value.keys == sorted(expected)
+    for key, why in expected.items():
+        assert why in reasons[key], (key, reasons[key])
+        assert key in str(ei.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# acks
+
+
+def test_acks_gate_on_every_rank_and_version():
+    _, model, patcher = _h3_setup()
+    snap = PatchSnapshot.capture(patcher)
+    applier = SnapshotApplier(model, PREFIX, arithmetic="builtin")
+    with pytest.raises(SnapshotApplyError, match="apply one first"):
+        applier.ack(0)
+    applier.apply(snap)
+    acks = [SnapshotAck.from_json(json.loads(json.dumps(applier.ack(r).to_json()))) for r in range(3)]
+    assert acks[1] == SnapshotAck(1, snap.lineage, snap.digest, 208)
+    require_acks(snap, acks, 3)
+    with pytest.raises(SnapshotNotAcked, match="rank 2: no ack"):
+        require_acks(snap, acks[:2], 3)
+    stale = SnapshotAck(2, 0, PatchSnapshot.empty().digest, 0)
+    with pytest.raises(SnapshotNotAcked, match="rank 2: acked version 0/"):
+        require_acks(snap, acks[:2] + [stale], 3)
+    with pytest.raises(SnapshotNotAcked, match="acked 207 patched keys"):
+        require_acks(snap, acks[:2] + [SnapshotAck(2, snap.lineage, snap.digest, 207)], 3)
+    with pytest.raises(SnapshotNotAcked, match=r"ranks \[3\] outside a world of 3"):
+        require_acks(snap, acks + [SnapshotAck(3, snap.lineage, snap.digest, 208)], 3)
+    for bad in ({"rank": 0}, {**acks[0].to_json(), "rank": True}, {**acks[0].to_json(), "digest": "abc"}):
+        with pytest.raises(ValueError, match="snapshot ack"):
+            SnapshotAck.from_json(bad)
