@@ -1,0 +1,221 @@
+"""Rank 0's monitor thread: the only reader of the workers' reply pipes, and their watchdog.
+
+It runs for the life of the workers and, every ``POLL`` seconds or as soon as a pipe is readable:
+* decodes replies (authenticated, in order) and hands them to whoever waits (``wait_replies``,
+  ``OpRunner``), checking that each is the reply expected at that point;
+* notices a worker that exited (EOF on its pipe, or its process reaped) and records a
+  ``ParallelGroupError`` with its rank, exit code and log tail;
+* records ``ParallelOpError`` when a worker reports that an op raised;
+* enforces the in-flight op's deadline and cancel deadline: late workers first dump their stacks
+  into their logs (SIGUSR1 -> faulthandler), then are killed.
+Recording a fault kills every worker, which also ends any collective rank 0 is blocked in, so no
+call waits past its deadline plus about a second.
+"""
+
+import logging
+import os
+import select
+import signal
+import threading
+import time
+
+from .errors import ParallelGroupError, ParallelOpError, ParallelStateError, ParallelTimeout, ProtocolError, RESTART_HINT, describe_exit
+
+logger = logging.getLogger(__name__)
+
+POLL = 0.1
+STACK_DUMP_WAIT = 0.3
+_EXPECTED = {"spawned": "connected", "connected": "ready", "ready": "result"}
+_STATUSES = ("ok", "cancelled", "mismatch", "error")
+
+
+class Monitor:
+    def __init__(self, group):
+        self._group = group
+        self._cond = group._cond
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._loop, name=f"parallel-monitor-{group.name}", daemon=True)
+        self._timeout_lock = threading.Lock()
+        self.inbox = {}
+        self.op = None
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self.wake()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def wake(self):
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    # -- waiting (called by rank 0's calling thread) ----------------------------------------------
+
+    def wait_until(self, done, deadline, missing, what):
+        """Block until ``done()`` (under the group lock), a fault, or ``deadline`` (then the ranks in
+        ``missing()`` are dumped, killed and reported as ``ParallelTimeout``)."""
+        g = self._group
+        with self._cond:
+            while True:
+                if g._error is not None:
+                    raise g._error
+                if g._state in ("closing", "closed"):
+                    raise ParallelStateError(f"group {g.name!r} was closed during {what}", g._state)
+                if done():
+                    return
+                left = deadline() - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.25))
+        raise self.timeout_fault(missing(), what)
+
+    def wait_replies(self, kind, ranks, deadline, what):
+        ranks = list(ranks)
+        self.wait_until(lambda: all(kind in self.inbox.get(r, {}) for r in ranks), lambda: deadline,
+                        lambda: [r for r in ranks if kind not in self.inbox.get(r, {})], what)
+        return {r: self.inbox[r][kind] for r in ranks}
+
+    def timeout_fault(self, ranks, what):
+        """Record (once) that ``ranks`` missed the deadline of ``what``; returns the recorded fault."""
+        g = self._group
+        with self._timeout_lock:
+            if g._error is not None:
+                return g._error
+            late = [w for w in g._workers if w.rank in ranks]
+            alive = [w for w in late if w.poll() is None]
+            for w in alive:
+                try:
+                    w.proc.send_signal(signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            if alive:
+                time.sleep(STACK_DUMP_WAIT)
+            first = late[0] if late else None
+            err = ParallelTimeout(
+                f"worker rank(s) {sorted(ranks)} did not finish {what}; they were killed (their stacks at the deadline "
+                "are in their logs)", rank=first.rank if first else None, log_tail=first.log_tail() if first else "",
+                log_path=first.log_path if first else None,
+                hint="raise the matching Timeouts setting if the work is legitimately slow; otherwise look for a hang "
+                     f"in the stack above; then {RESTART_HINT}")
+            return g._record_fault(err)
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _loop(self):
+        try:
+            while not self._stop.is_set():
+                self._step()
+        except Exception as e:
+            logger.exception("parallel monitor of %r failed", self._group.name)
+            self._group._record_fault(ParallelGroupError(f"rank 0's monitor thread failed: {e!r}", rank=0))
+
+    def _step(self):
+        workers = {w.reply_fd: w for w in self._group._workers if not w.eof and w.reply_fd is not None}
+        try:
+            readable, _, _ = select.select([*workers, self._wake_r], [], [], POLL)
+        except (OSError, ValueError):
+            if self._stop.is_set():
+                return
+            raise
+        if self._wake_r in readable:
+            try:
+                os.read(self._wake_r, 4096)
+            except (BlockingIOError, OSError):
+                pass
+        for fd in readable:
+            w = workers.get(fd)
+            if w is None:
+                continue
+            try:
+                messages = w.read_available()
+            except ProtocolError as e:
+                if w.wait(1.0) is not None:
+                    self._on_exit(w)
+                else:
+                    self._group._record_fault(ParallelGroupError(
+                        f"rank 0 rejected a control message from worker rank {w.rank}: {e}", rank=w.rank,
+                        log_tail=w.log_tail(), log_path=w.log_path))
+                continue
+            for m in messages:
+                self._on_message(w, m)
+        for w in list(self._group._workers):
+            if not w.exit_handled and (w.eof or w.poll() is not None):
+                self._on_exit(w)
+        self._check_deadline()
+
+    def _on_message(self, w, m):
+        g = self._group
+        expected = _EXPECTED[w.phase]
+        op = self.op
+        problem = None
+        if m.kind != expected:
+            problem = f"sent a {m.kind!r} message where {expected!r} was expected"
+        elif m.kind == "result":
+            if op is None or m.id != op.id or w.rank in op.replies:
+                problem = f"sent a result for op {m.id}, but op {op.id if op else None} is in flight"
+            elif m.body.get("status") not in _STATUSES or not isinstance(m.body.get("meta", {}), dict):
+                problem = f"sent a malformed result {m.body!r:.200}"
+        if problem:
+            g._record_fault(ParallelGroupError(f"worker rank {w.rank} {problem}; the control streams are out of step",
+                                               rank=w.rank, log_tail=w.log_tail(), log_path=w.log_path))
+            return
+        with self._cond:
+            if m.kind == "result":
+                op.replies[w.rank] = m
+            else:
+                w.phase = m.kind
+                self.inbox.setdefault(w.rank, {})[m.kind] = m
+            self._cond.notify_all()
+        if m.kind == "result" and m.body["status"] == "error":
+            e = m.body.get("error") or {}
+            g._record_fault(ParallelOpError(
+                f"op {op.name!r} (id {op.id}) raised {e.get('type', 'an error')} on worker rank {w.rank}: {e.get('message', '')}",
+                rank=w.rank, remote_traceback=e.get("traceback", ""), log_path=w.log_path,
+                hint="fix the op or its inputs; after a failure on some ranks collectives may be out of step, so "
+                     + RESTART_HINT))
+
+    def _on_exit(self, w):
+        code = w.wait(2.0)
+        w.exit_handled = True
+        g = self._group
+        with self._cond:
+            quiet = g._state in ("closing", "closed") or g._error is not None
+            op = self.op
+            if w.phase != "ready":
+                when = f"during start-up (after '{w.phase}')"
+            elif op is not None and w.rank not in op.replies:
+                when = f"during op {op.name!r} (id {op.id})"
+            else:
+                when = "while the group was idle"
+        if quiet:
+            return
+        what = describe_exit(code) if code is not None else "closed its control channel but has not exited"
+        g._record_fault(ParallelGroupError(f"worker rank {w.rank} (pid {w.pid}, {w.device}) {what} {when}", rank=w.rank,
+                                           exitcode=code, log_tail=w.log_tail(), log_path=w.log_path))
+
+    def _check_deadline(self):
+        op = self.op
+        g = self._group
+        if op is None or op.finished or g._error is not None:
+            return
+        missing = [w.rank for w in g._workers if w.rank not in op.replies]
+        if not missing:
+            return
+        now = time.monotonic()
+        if op.cancel_at is not None and now > op.cancel_at + g.timeouts.cancel:
+            self.timeout_fault(missing, f"acknowledging cancel of op {op.name!r} (id {op.id}) within {g.timeouts.cancel:g}s")
+        elif now > op.deadline:
+            self.timeout_fault(missing, f"op {op.name!r} (id {op.id}) within its {op.timeout:g}s timeout")

@@ -1,0 +1,94 @@
+"""torch.distributed plumbing shared by rank 0 and the workers: store, groups, teardown, ownership.
+
+* The rendezvous store listens on 127.0.0.1 only, on an ephemeral port.
+* The default process group is the data group (NCCL for CUDA, gloo for CPU); a second gloo group
+  carries the small control collectives (preflight, cancel agreement) so that they never queue
+  behind NCCL kernels.
+* torch.distributed's default group is process-global, so at most one ``ParallelGroup`` per process
+  may hold it (``claim`` / ``release``).
+"""
+
+import datetime
+import logging
+import socket
+import threading
+
+import torch.distributed as dist
+
+from .errors import ParallelStateError
+
+logger = logging.getLogger(__name__)
+
+_slot_lock = threading.Lock()
+_holder = [None]
+
+
+def claim(group):
+    """Make ``group`` the process's owner of torch.distributed, or raise naming the current owner."""
+    if not dist.is_available():
+        raise ParallelStateError("this torch build has no torch.distributed; a parallel group needs it", group.state)
+    with _slot_lock:
+        holder = _holder[0]
+        if holder is not None and holder is not group:
+            raise ParallelStateError(
+                f"cannot start group {group.name!r}: group {holder.name!r} (state {holder.state}, {holder.world_size} ranks) "
+                "is active in this process and torch.distributed's default process group is process-global; "
+                f"close() group {holder.name!r} first", group.state)
+        if dist.is_initialized():
+            raise ParallelStateError(
+                "torch.distributed's default process group is already initialized by other code in this process; "
+                "ParallelGroup must own it: call torch.distributed.destroy_process_group() first", group.state)
+        _holder[0] = group
+
+
+def release(group):
+    with _slot_lock:
+        if _holder[0] is group:
+            _holder[0] = None
+
+
+def loopback_store(timeout):
+    """A TCPStore master listening on 127.0.0.1 only, on an ephemeral port.
+
+    TCPStore given a host and port 0 listens on every interface, so the socket is bound here and
+    handed over (the store owns and closes it).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False, master_listen_fd=sock.detach(), use_libuv=True)
+
+
+def init_groups(backend, store, rank, world_size, device, timeouts):
+    """Join the default (data) group and create the gloo control group; returns the control group.
+
+    The rendezvous is bounded by ``timeouts.rendezvous``; afterwards every collective of both
+    groups by ``timeouts.collective`` (a backstop: ParallelGroup's own deadlines come first).
+    """
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeouts["rendezvous"]),
+                            device_id=device if device.type == "cuda" else None)
+    collective = datetime.timedelta(seconds=timeouts["collective"])
+    control = dist.new_group(backend="gloo", timeout=collective)
+    if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        dist.distributed_c10d._set_pg_timeout(collective, None)
+    return control
+
+
+def destroy_groups(abort):
+    """Destroy every process group of this process; ``abort`` after a fault (NCCL may wait on a dead peer)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if abort and dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception:
+        logger.exception("destroying the process groups failed")

@@ -1,0 +1,282 @@
+"""Dead, stuck and failing workers; forged control messages; teardown when rank 0 goes away.
+
+The stated bound: a worker death is reported (state ``broken``, ``ParallelGroupError`` from the
+call in flight) within ``DETECT_BOUND`` seconds; a deadline within ``DETECT_BOUND`` seconds of
+passing.
+"""
+
+import hashlib
+import hmac
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from parallel_helpers import OPS_MODULE, pid_gone, spec, wait_until
+
+from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelOpError, ParallelStateError, ParallelTimeout, Timeouts
+from comfy.parallel import errors
+from comfy.parallel.protocol import MAGIC, canonical_json, encode, request_digest
+
+DETECT_BOUND = 3.0
+
+
+def kill_later(pid, delay):
+    t = threading.Timer(delay, os.kill, (pid, signal.SIGKILL))
+    t.start()
+    return t
+
+
+def assert_restart_works(g):
+    g.close()
+    assert g.state == "closed"
+    g.start(["cpu", "cpu"], spec())
+    assert g.run("test.echo", {"x": torch.arange(3)}).tensors["x"].tolist() == [0, 1, 2]
+
+
+def test_worker_killed_while_idle(tmp_path):
+    with ParallelGroup("idle-kill", log_dir=str(tmp_path)) as g:
+        g.start(["cpu", "cpu", "cpu"], spec())
+        os.kill(g.worker_pids()[2], signal.SIGKILL)
+        assert wait_until(lambda: g.state == "broken", DETECT_BOUND) is not None
+        with pytest.raises(ParallelGroupError) as info:
+            g.run("test.echo")
+        err = info.value
+        assert (err.rank, err.exitcode) == (2, -9)
+        assert "worker rank 2" in str(err) and "SIGKILL" in str(err) and "while the group was idle" in str(err)
+        assert "ready: rank 2 of 3" in err.log_tail
+        assert err.log_path == str(tmp_path / "rank2-gen1.log")
+        assert wait_until(lambda: not g.worker_pids(), DETECT_BOUND) is not None, "the other worker must be stopped too"
+        with pytest.raises(ParallelStateError, match="needs state idle or closed; group 'idle-kill' is broken"):
+            g.start(["cpu", "cpu"], spec())
+        assert_restart_works(g)
+
+
+def test_worker_killed_during_op(tmp_path):
+    with ParallelGroup("op-kill", log_dir=str(tmp_path)) as g:
+        g.start(["cpu", "cpu", "cpu"], spec())
+        timer = kill_later(g.worker_pids()[1], 0.5)
+        t0 = time.monotonic()
+        with pytest.raises(ParallelGroupError) as info:
+            g.run("test.wait_for_cancel", meta={"seconds": 30})
+        elapsed = time.monotonic() - t0
+        timer.join()
+        assert elapsed < 0.5 + DETECT_BOUND
+        assert (info.value.rank, info.value.exitcode) == (1, -9)
+        assert "during op 'test.wait_for_cancel' (id 1)" in str(info.value)
+        assert g.state == "broken"
+        assert_restart_works(g)
+
+
+def test_worker_killed_during_startup(tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    g = ParallelGroup("start-kill", log_dir=str(tmp_path / "logs"))
+
+    def kill_when_in_setup():
+        if wait_until(lambda: any(markers.iterdir()), 20):
+            name = next(markers.iterdir()).name
+            killed.append((time.monotonic(), int(name.rsplit("-", 1)[1])))
+            os.kill(killed[0][1], signal.SIGKILL)
+
+    killed = []
+    killer = threading.Thread(target=kill_when_in_setup)
+    killer.start()
+    with pytest.raises(ParallelGroupError) as info:
+        g.start(["cpu", "cpu"], spec("parallel_ops_for_tests:setup_slow", marker_dir=str(markers), seconds=30))
+    raised = time.monotonic()
+    killer.join()
+    assert killed and raised - killed[0][0] < DETECT_BOUND
+    assert (info.value.rank, info.value.exitcode) == (1, -9)
+    assert "during start-up" in str(info.value)
+    assert "running setup parallel_ops_for_tests:setup_slow" in info.value.log_tail
+    assert g.state == "broken"
+    assert_restart_works(g)
+    g.close()
+
+
+def test_startup_failure_on_a_worker_shows_its_traceback(tmp_path):
+    g = ParallelGroup("import-fail", log_dir=str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="no_such_module_for_parallel_tests"):
+        g.start(["cpu", "cpu"], {"imports": ["no_such_module_for_parallel_tests"]})
+    assert g.state == "idle" and not os.listdir(tmp_path), "rank 0 imports first, before spawning anything"
+    t0 = time.monotonic()
+    with pytest.raises(ParallelGroupError) as info:
+        g.start(["cpu", "cpu"], {"imports": [OPS_MODULE], "setup": "parallel_ops_for_tests:no_such_setup"})
+    assert time.monotonic() - t0 < 10
+    assert (info.value.rank, info.value.exitcode) == (1, errors.EXIT_STARTUP)
+    assert "failed during start-up" in str(info.value)
+    assert "has no attribute 'no_such_setup'" in info.value.log_tail
+    g.close()
+
+
+def test_op_timeout_kills_the_late_worker_and_shows_its_stack(tmp_path):
+    with ParallelGroup("timeout", log_dir=str(tmp_path)) as g:
+        g.start(["cpu", "cpu"], spec())
+        t0 = time.monotonic()
+        with pytest.raises(ParallelTimeout) as info:
+            g.run("test.workers_sleep", meta={"seconds": 30}, timeout=1.0)
+        elapsed = time.monotonic() - t0
+        assert 1.0 <= elapsed < 1.0 + DETECT_BOUND
+        assert info.value.rank == 1
+        assert "did not finish op 'test.workers_sleep' (id 1) within its 1s timeout" in str(info.value)
+        assert "in workers_sleep" in info.value.log_tail, "the faulthandler stack dump should be in the log tail"
+        assert g.state == "broken"
+        assert_restart_works(g)
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_op_raising_breaks_the_group_with_the_remote_traceback(tmp_path, rank):
+    with ParallelGroup("raise", log_dir=str(tmp_path)) as g:
+        g.start(["cpu", "cpu", "cpu"], spec())
+        t0 = time.monotonic()
+        with pytest.raises(ParallelOpError) as info:
+            g.run("test.raise_on", meta={"rank": rank})
+        assert time.monotonic() - t0 < DETECT_BOUND
+        assert info.value.rank == rank
+        assert f"raised ValueError on {'worker ' if rank else ''}rank {rank}: boom on rank {rank}" in str(info.value)
+        assert 'raise ValueError(f"boom on rank {ctx.rank}")' in info.value.remote_traceback
+        assert g.state == "broken"
+        with pytest.raises(ParallelOpError, match="the parallel group is broken: op 'test.raise_on'"):
+            g.run("test.echo")
+        g.ensure_started()
+        assert g.state == "ready" and g.world_size == 3
+        assert g.run("test.echo", {"x": torch.ones(2)}).tensors["x"].tolist() == [1.0, 1.0]
+
+
+def _forged(worker, kind):
+    seq = worker._send_seq + 1
+    if kind == "bad_mac":
+        return encode(bytes(32), "run", seq, 9, {"op": "test.echo", "meta": {}})
+    if kind == "unknown_kind":
+        body = {"op": "test.echo", "meta": {}}
+        header = canonical_json({"v": 1, "seq": seq, "id": 9, "kind": "xyz", "body": body,
+                                 "digest": request_digest("xyz", 9, body, [])})
+        framed = MAGIC + len(header).to_bytes(4, "big") + (2).to_bytes(4, "big") + header + b"[]"
+        return framed + hmac.new(worker._token, framed, hashlib.sha256).digest()
+    if kind == "stale_op_id":
+        return encode(worker._token, "run", seq, 0, {"op": "test.echo", "meta": {}})
+    if kind == "oversize":
+        return MAGIC + (1 << 30).to_bytes(4, "big") + (0).to_bytes(4, "big")
+    return encode(worker._token, "run", seq, 9, {"op": "test.echo", "meta": {}})[:-7]
+
+
+@pytest.mark.parametrize("kind, logged", [
+    ("bad_mac", "bad MAC"),
+    ("unknown_kind", "unknown message kind 'xyz'"),
+    ("stale_op_id", "op id 0 does not increase (last op was 0)"),
+    ("oversize", "oversize control message: header 1073741824 B"),
+    ("truncated", "truncated control message"),
+])
+def test_forged_control_message_is_rejected(tmp_path, kind, logged):
+    with ParallelGroup("forged", log_dir=str(tmp_path)) as g:
+        g.start(["cpu", "cpu"], spec())
+        worker = g._workers[0]
+        worker.send_raw(_forged(worker, kind))
+        if kind == "truncated":
+            os.close(worker.cmd_fd)
+            worker.cmd_fd = None
+        assert wait_until(lambda: g.state == "broken", DETECT_BOUND) is not None
+        err = g.error
+        assert (err.rank, err.exitcode) == (1, errors.EXIT_PROTOCOL)
+        assert "rejected a control message" in str(err)
+        assert f"rejected a control message from rank 0: {logged}" in err.log_tail
+
+
+def test_known_kind_out_of_place_is_rejected(tmp_path):
+    with ParallelGroup("kind", log_dir=str(tmp_path)) as g:
+        g.start(["cpu", "cpu"], spec())
+        worker = g._workers[0]
+        worker.send("hello", 0, {})
+        assert wait_until(lambda: g.state == "broken", DETECT_BOUND) is not None
+        assert "unexpected 'hello' message after start-up" in g.error.log_tail
+        assert g.error.exitcode == errors.EXIT_PROTOCOL
+
+
+_RANK0 = textwrap.dedent("""
+    import os, sys, time
+    from comfy.parallel import ParallelGroup
+    g = ParallelGroup("child", log_dir=sys.argv[1])
+    g.start(["cpu", "cpu", "cpu"], {"imports": [%r]})
+    print(" ".join(str(p) for p in g.worker_pids().values()), flush=True)
+    if sys.argv[2] == "hang":
+        time.sleep(60)
+""" % OPS_MODULE)
+
+
+@pytest.mark.parametrize("how", ["exit_without_close", "sigkill"])
+def test_workers_do_not_outlive_rank0(tmp_path, how):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", _RANK0, str(tmp_path), "hang" if how == "sigkill" else "exit"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.stderr.read().decode()
+        if how == "sigkill":
+            proc.kill()
+        proc.wait(timeout=20)
+        assert wait_until(lambda: all(pid_gone(p) for p in pids), 5.0) is not None, f"workers {pids} outlived rank 0"
+        if how == "sigkill":
+            assert "rank 0 closed the control channel" in (tmp_path / "rank1-gen1.log").read_text()
+        else:
+            assert proc.returncode == 0
+            assert "shutdown requested by rank 0" in (tmp_path / "rank1-gen1.log").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_close_after_fault_is_idempotent(tmp_path):
+    g = ParallelGroup("idem", log_dir=str(tmp_path))
+    g.start(["cpu", "cpu"], spec())
+    os.kill(g.worker_pids()[1], signal.SIGKILL)
+    assert wait_until(lambda: g.state == "broken", DETECT_BOUND) is not None
+    g.close()
+    g.close()
+    assert g.state == "closed"
+
+
+def test_close_from_another_thread_during_startup(tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    g = ParallelGroup("close-start", log_dir=str(tmp_path / "logs"))
+    closer = threading.Thread(target=lambda: wait_until(lambda: any(markers.iterdir()), 20) and g.close())
+    closer.start()
+    t0 = time.monotonic()
+    with pytest.raises(ParallelStateError, match="was closed during start-up"):
+        g.start(["cpu", "cpu"], spec("parallel_ops_for_tests:setup_slow", marker_dir=str(markers), seconds=30))
+    closer.join()
+    assert time.monotonic() - t0 < 10
+    assert g.state == "closed"
+    assert_restart_works(g)
+    g.close()
+
+
+def test_startup_timeout_covers_a_slow_setup(tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    g = ParallelGroup("slow-setup", log_dir=str(tmp_path / "logs"), timeouts=Timeouts(startup=2.5))
+    t0 = time.monotonic()
+    with pytest.raises(ParallelTimeout) as info:
+        g.start(["cpu", "cpu"], spec("parallel_ops_for_tests:setup_slow", marker_dir=str(markers), seconds=30))
+    assert 2.5 <= time.monotonic() - t0 < 2.5 + DETECT_BOUND
+    assert info.value.rank == 1
+    assert "did not finish start-up (probe and setup)" in str(info.value)
+    assert "in setup_slow" in info.value.log_tail
+    g.close()
+
+
+def test_idle_timeout_lets_workers_leave(tmp_path):
+    with ParallelGroup("idle", log_dir=str(tmp_path), timeouts=Timeouts(idle=0.5)) as g:
+        g.start(["cpu", "cpu"], spec())
+        assert g.run("parallel.noop").metas == [{}, {}]
+        assert wait_until(lambda: g.state == "broken", 0.5 + DETECT_BOUND) is not None
+        assert g.error.exitcode == errors.EXIT_IDLE
+        assert "waited longer than the idle timeout" in str(g.error)

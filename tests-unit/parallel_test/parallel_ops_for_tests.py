@@ -1,0 +1,98 @@
+"""Ops (and setups) that the parallel tests run on every rank; workers import this module by name."""
+
+import hashlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from comfy.parallel import register_op
+
+
+def digest(t):
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@register_op("test.echo")
+def echo(ctx, tensors, meta):
+    """Hands rank 0's inputs back and reports, per rank, what arrived (sha256 of the bytes, dtype, shape)."""
+    seen = {k: [digest(t), str(t.dtype), list(t.shape), str(t.device)] for k, t in tensors.items()}
+    return dict(tensors), {"rank": ctx.rank, "world": ctx.world_size, "seen": seen, "meta": meta}
+
+
+@register_op("test.collectives")
+def collectives(ctx, tensors, meta):
+    """all_reduce and all_to_all over the data group; rank 0 returns both results."""
+    n = ctx.world_size
+    total = torch.full((3,), float(ctx.rank + 1), device=ctx.device)
+    dist.all_reduce(total, group=ctx.data_group)
+    send = torch.tensor([100.0 * ctx.rank + j for j in range(n)], device=ctx.device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=ctx.data_group)
+    scaled = tensors["x"] * (ctx.rank + 1)
+    dist.all_reduce(scaled, group=ctx.data_group)
+    return {"sum": total, "a2a": recv, "scaled": scaled}, {"rank": ctx.rank, "a2a": recv.tolist()}
+
+
+@register_op("test.wait_for_cancel")
+def wait_for_cancel(ctx, tensors, meta):
+    """Checks ctx.cancelled() every ``poll`` s for at most ``seconds``; rank 0 flags entry in ctx.state."""
+    started = ctx.state.get("started")
+    if started is not None:
+        started.set()
+    deadline = time.monotonic() + meta.get("seconds", 30.0)
+    checks = 0
+    while time.monotonic() < deadline:
+        checks += 1
+        if ctx.cancelled():
+            ctx.check_cancelled()
+        time.sleep(meta.get("poll", 0.02))
+    return {}, {"checks": checks}
+
+
+@register_op("test.workers_sleep")
+def workers_sleep(ctx, tensors, meta):
+    """Workers sleep ``seconds`` without any check; rank 0 then waits in a collective with them."""
+    started = ctx.state.get("started")
+    if started is not None:
+        started.set()
+    if ctx.rank > 0:
+        time.sleep(meta.get("seconds", 30.0))
+    ctx.check_cancelled()
+    return {}, {}
+
+
+@register_op("test.raise_on")
+def raise_on(ctx, tensors, meta):
+    """Raises ValueError on rank ``meta['rank']`` (the others wait in a collective)."""
+    if ctx.rank == meta["rank"]:
+        raise ValueError(f"boom on rank {ctx.rank}")
+    dist.barrier(group=ctx.control_group)
+    return {}, {}
+
+
+@register_op("test.preflight")
+def preflight(ctx, tensors, meta):
+    """ctx.preflight with a digest that differs on rank ``meta['odd']`` (or nowhere when -1)."""
+    ctx.preflight("plan-odd" if ctx.rank == meta["odd"] else "plan-same")
+    return {}, {"passed": True}
+
+
+@register_op("test.state")
+def state(ctx, tensors, meta):
+    """Reports what setup left in ctx.state."""
+    return {}, {"rank": ctx.rank, "built": ctx.state.get("built")}
+
+
+def setup_build(ctx, value, marker_dir=None):
+    """A setup that records its arguments in ctx.state (as a model build would)."""
+    ctx.state["built"] = f"{value}-rank{ctx.rank}"
+    return {"built": ctx.state["built"], "pid": os.getpid()}
+
+
+def setup_slow(ctx, marker_dir, seconds=30.0):
+    """A setup that announces itself with a file named after its pid, then takes ``seconds``."""
+    with open(os.path.join(marker_dir, f"setup-rank{ctx.rank}-{os.getpid()}"), "w") as f:
+        f.write("in setup")
+    time.sleep(seconds)
