@@ -82,8 +82,13 @@ def load_checkpoint(path, dtype=torch.bfloat16, device="cpu", operations=None, s
         if missing or unexpected:
             raise ValueError(f"checkpoint {path} does not match the H3 config {cfg}: missing {missing}, unexpected "
                              f"{unexpected}. Use the checkpoint's own config (leave config=None to detect it).")
-        sd = {k: f.get_tensor(prefix + k) for k in want}
-    model.load_state_dict(sd, strict=True)
+        # one tensor at a time: host memory never holds more than the largest tensor
+        with torch.no_grad():
+            for k, t in want.items():
+                src = f.get_tensor(prefix + k)
+                if src.shape != t.shape:
+                    raise ValueError(f"checkpoint {path}: {k} has shape {tuple(src.shape)}, the config {cfg} needs {tuple(t.shape)}")
+                t.copy_(src)
     return model.requires_grad_(False).eval()
 
 

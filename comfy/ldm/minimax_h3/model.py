@@ -117,7 +117,7 @@ class MiniMaxH3Model(nn.Module):
         plan = self.plan(video_x, orig_thw, audio_x, timestep, context, transformer_options, payload)
         runner = transformer_options.get(SEQUENCE_PARALLEL_OPTION)
         if runner is not None:
-            v, a = runner(self, plan, video_x, audio_x, context, payload, transformer_options)
+            v, a = runner(self, plan, video_x, audio_x, timestep, context, payload, transformer_options)
         else:
             v, a = self.run(plan, plan.shard(1, 0, self.num_heads), video_x, audio_x, context, payload, transformer_options)
         return self.unpack(plan, v, a, video_x.dtype, audio_x.dtype)

@@ -96,3 +96,44 @@ def step_inputs(config, kind="t2va", seed=0, text_len=7, frames=3, height=6, wid
 
 
 INPUT_KINDS = ("t2va", "tags", "keyframes", "ref_image", "ref_audio", "ref_video", "ref_video_audio", "refs_all")
+
+
+class LoraWeights:
+    """A LoRA patch value as ComfyUI's weight adapters expose it: ``name`` + ``weights``
+    (up, down, alpha, mid, dora_scale, reshape)."""
+
+    def __init__(self, up, down, alpha):
+        self.name = "lora"
+        self.weights = (up, down, alpha, None, None, None)
+
+
+class SyntheticPatcher:
+    """The attributes PatchSnapshot.capture reads from a ModelPatcher, for runs without ComfyUI."""
+
+    def __init__(self, model, prefix="diffusion_model."):
+        self.prefix = prefix
+        self._keys = [prefix + k for k in model.state_dict()]
+        self.patches = {}
+        self.patches_uuid = 0
+        self.object_patches = {}
+        self.force_cast_weights = False
+
+    def model_state_dict(self):
+        return dict.fromkeys(self._keys)
+
+    def add_lora(self, model, rank=4, strength=1.0, seed=0, targets=("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")):
+        """A random rank-`rank` LoRA on the target linears of every DiT and refiner block."""
+        gen = torch.Generator("cpu").manual_seed(seed)
+        for name, w in model.state_dict().items():
+            if not any(name.endswith(t + ".weight") for t in targets):
+                continue
+            up = torch.randn(w.shape[0], rank, generator=gen) * 0.1
+            down = torch.randn(rank, w.shape[1], generator=gen) / math.sqrt(w.shape[1])
+            self.patches.setdefault(self.prefix + name, []).append((strength, LoraWeights(up, down, float(rank)), 1.0, None, None))
+        self.patches_uuid += 1
+        return self
+
+    def set_strength(self, strength):
+        self.patches = {k: [(strength, *e[1:]) for e in v] for k, v in self.patches.items()}
+        self.patches_uuid += 1
+        return self
