@@ -52,3 +52,23 @@ def free_port():
 def run_ranks():
     """``run_ranks(fn, world, kwargs=None, timeout=60.0, process_group=True)`` -> list of rank results."""
     return _run_ranks
+
+
+@pytest.fixture(scope="session")
+def _media_stub_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media_stub")
+    (d / "sitecustomize.py").write_text("import absent_media_packages\nabsent_media_packages.install()\n")
+    return str(d)
+
+
+@pytest.fixture
+def comfyui_models(comfyui_dir, _media_stub_dir, monkeypatch):
+    """ComfyUI's model stack (model_base, model_patcher, lora, sd) importable here and in the worker
+    processes tests spawn (they inherit sys.path, so they run the stub's sitecustomize)."""
+    import absent_media_packages
+    absent_media_packages.install()
+    monkeypatch.syspath_prepend(_media_stub_dir)
+    import comfy.lora  # noqa: F401
+    import comfy.model_patcher  # noqa: F401
+    import comfy.sd  # noqa: F401
+    return comfyui_dir

@@ -18,6 +18,7 @@ import argparse
 import datetime
 import faulthandler
 import importlib
+import importlib.util
 import logging
 import os
 import platform
@@ -149,6 +150,7 @@ class Worker:
 
         from . import comm, pg
         from .ops import OpContext
+        _configure_comfyui(self.device_name)
         for name in self.spec.get("imports") or []:
             logger.info("importing %s", name)
             importlib.import_module(name)
@@ -265,5 +267,16 @@ def main(argv=None):
     worker.serve()
 
 
+def _configure_comfyui(device_name):
+    """Inside a ComfyUI tree, tell ComfyUI's model management this worker's device kind before any
+    model code imports it: it asserts CUDA at import unless told to run on the CPU."""
+    if importlib.util.find_spec("comfy.cli_args") is None:
+        return
+    from comfy.cli_args import args
+    if device_name.startswith("cpu"):
+        args.cpu = True
+
+
 if __name__ == "__main__":
     main()
+

@@ -6,10 +6,7 @@ the whole state dict, for float32, bfloat16 and float8_e4m3fn weights (the last 
 ComfyUI's seeded stochastic rounding).
 """
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
+
 import types
 
 import pytest
@@ -27,29 +24,8 @@ LINEARS = {"attn.qkv_proj": (192, 64), "attn.out_proj": (64, 64), "mlp.fc1": (19
 CPU = torch.device("cpu")
 
 
-class _AbsentTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty ``torchvision`` modules. comfy.model_patcher imports comfy.model_base, which imports model
-    packages (Cosmos, Cascade) that import torchvision at module level; nothing on the H3 / LoRA path
-    uses it, and PyPI's torchvision cannot load against the CPU torch build of this environment."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
 @pytest.fixture
-def comfy(comfyui_dir):
-    if importlib.util.find_spec("torchvision") is None and not any(isinstance(f, _AbsentTorchvision) for f in sys.meta_path):
-        sys.meta_path.append(_AbsentTorchvision())
+def comfy(comfyui_models):
     import comfy.hooks
     import comfy.ldm.minimax.model
     import comfy.lora
