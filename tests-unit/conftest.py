@@ -6,6 +6,7 @@
 * ``run_ranks``: run a module-level function on N spawned processes with a gloo group.
 """
 
+import importlib.util
 import os
 import sys
 
@@ -19,27 +20,28 @@ if COMFYUI_DIR:
     COMFYUI_DIR = os.path.abspath(COMFYUI_DIR)
     if COMFYUI_DIR not in sys.path:
         sys.path.append(COMFYUI_DIR)
-    if os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "cli_args.py")):
-        # before anything imports comfy.model_management: these tests run on the CPU
+
+
+def comfyui_available():
+    """ComfyUI importable: an overlay (COMFYUI_DIR) or these files inside a (patched) ComfyUI tree."""
+    return importlib.util.find_spec("comfy.model_patcher") is not None
+
+
+if comfyui_available():
+    import torch
+    if not torch.cuda.is_available():
+        # before anything imports comfy.model_management, which asserts CUDA unless told otherwise
         from comfy.cli_args import args as _comfy_args
         _comfy_args.cpu = True
 
 
-def comfyui_available():
-    return bool(COMFYUI_DIR) and os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "model_patcher.py"))
-
-
 @pytest.fixture
 def comfyui_dir():
-    """The ComfyUI checkout (pinned base), imported on CPU; skips when COMFYUI_DIR is unset."""
-    if not COMFYUI_DIR:
-        pytest.skip("COMFYUI_DIR is not set: point it at a checkout of ComfyUI 0f1fa67 "
-                    "(see README, 'Tests against ComfyUI') to run the overlay tests")
+    """The ComfyUI tree the tests run against; skips when there is none."""
     if not comfyui_available():
-        pytest.skip(f"COMFYUI_DIR={COMFYUI_DIR} does not look like a ComfyUI checkout (no comfy/model_patcher.py)")
-    from comfy.cli_args import args
-    args.cpu = True
-    return COMFYUI_DIR
+        pytest.skip("ComfyUI is not importable: set COMFYUI_DIR to a checkout of ComfyUI 0f1fa67 "
+                    "(see README, 'Tests against ComfyUI') to run the overlay tests")
+    return os.path.dirname(os.path.dirname(os.path.abspath(importlib.util.find_spec("comfy.model_patcher").origin)))
 
 
 @pytest.fixture

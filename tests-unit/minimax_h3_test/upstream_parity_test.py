@@ -16,6 +16,8 @@ def _pair(dtype, curve=None):
     import comfy.ldm.minimax.model as upstream
     import comfy.ops
     from comfy.ldm.minimax_h3.model import MiniMaxH3Model
+    if upstream.MiniMaxH3Model is MiniMaxH3Model:
+        pytest.skip("comfy.ldm.minimax.model re-exports this package (patched tree): there is no upstream model to compare")
     cfg = dict(TINY_CONFIG, adaln_curve_grid=curve)
     ops = comfy.ops.disable_weight_init
     theirs = upstream.MiniMaxH3Model(**cfg, dtype=dtype, operations=ops).requires_grad_(False)

@@ -133,6 +133,7 @@ class _cancel_on_interrupt:
     def __init__(self, group):
         self.group = group
         self.done = threading.Event()
+        self.interrupted = threading.Event()
         self.thread = None
 
     def __enter__(self):
@@ -144,6 +145,7 @@ class _cancel_on_interrupt:
         def watch():
             while not self.done.wait(0.1):
                 if mm.processing_interrupted():
+                    self.interrupted.set()
                     self.group.cancel()
                     return
 
@@ -155,10 +157,7 @@ class _cancel_on_interrupt:
         self.done.set()
         if self.thread is not None:
             self.thread.join()
-        if isinstance(exc, ParallelCancelled):
-            try:
-                import comfy.model_management as mm
-            except ModuleNotFoundError:
-                return False
+        if isinstance(exc, ParallelCancelled) and self.interrupted.is_set():
+            import comfy.model_management as mm
             raise mm.InterruptProcessingException() from exc
         return False

@@ -100,11 +100,21 @@ INPUT_KINDS = ("t2va", "tags", "keyframes", "ref_image", "ref_audio", "ref_video
 
 class LoraWeights:
     """A LoRA patch value as ComfyUI's weight adapters expose it: ``name`` + ``weights``
-    (up, down, alpha, mid, dora_scale, reshape)."""
+    (up, down, alpha, mid, dora_scale, reshape), for runs without ComfyUI."""
 
     def __init__(self, up, down, alpha):
         self.name = "lora"
         self.weights = (up, down, alpha, None, None, None)
+
+
+def lora_value(up, down, alpha):
+    """ComfyUI's own LoRAAdapter when ComfyUI is importable (snapshots accept only the real class
+    there), else the stand-in."""
+    try:
+        from comfy.weight_adapter.lora import LoRAAdapter
+    except ModuleNotFoundError:
+        return LoraWeights(up, down, alpha)
+    return LoRAAdapter(set(), (up, down, alpha, None, None, None))
 
 
 class SyntheticPatcher:
@@ -129,7 +139,7 @@ class SyntheticPatcher:
                 continue
             up = torch.randn(w.shape[0], rank, generator=gen) * 0.1
             down = torch.randn(rank, w.shape[1], generator=gen) / math.sqrt(w.shape[1])
-            self.patches.setdefault(self.prefix + name, []).append((strength, LoraWeights(up, down, float(rank)), 1.0, None, None))
+            self.patches.setdefault(self.prefix + name, []).append((strength, lora_value(up, down, float(rank)), 1.0, None, None))
         self.patches_uuid += 1
         return self
 
