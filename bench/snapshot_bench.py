@@ -16,9 +16,6 @@ scale; without it, a stand-in patcher and the built-in arithmetic.
 """
 
 import argparse
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import io
 import json
 import os
@@ -62,29 +59,15 @@ def lora_state_dict(shapes):
     return sd
 
 
-class _AbsentTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """comfy.model_base imports torchvision for unrelated models; this CPU environment has none."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
 def comfyui_patcher(comfyui_dir, shapes):
     sys.path.append(comfyui_dir)
     from comfy.cli_args import args
     args.cpu = True
-    if importlib.util.find_spec("torchvision") is None:
-        sys.meta_path.append(_AbsentTorchvision())
+    # comfy.model_base imports torchvision for unrelated models; the test suite's stand-in covers
+    # this CPU environment, which has none
+    sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests-unit"))
+    import absent_media_packages
+    absent_media_packages.install()
     import comfy.ldm.minimax.model
     import comfy.lora
     import comfy.model_patcher
