@@ -155,10 +155,9 @@ class PackedLayout:
             if kind in VIDEO_KINDS:
                 img_pos.append(torch.arange(off, off + n))
                 img_update.append(torch.full((n,), kind == "video", dtype=torch.bool))
-            else:
-                if kind in AUDIO_KINDS:
-                    audio_pos.append(torch.arange(off, off + n))
-                    audio_update.append(torch.full((n,), kind == "audio", dtype=torch.bool))
+            elif kind in AUDIO_KINDS:
+                audio_pos.append(torch.arange(off, off + n))
+                audio_update.append(torch.full((n,), kind == "audio", dtype=torch.bool))
             off += n
         self.segments = segments
         self.seq_len = off

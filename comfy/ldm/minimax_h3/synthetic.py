@@ -28,7 +28,7 @@ def random_state_dict(model, seed=0, table_grid=None):
         if name.endswith("rope.inv_freq"):
             n = t.shape[0]
             v = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float64) / n))
-        elif name.endswith("norm.weight") or name.endswith("_norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+        elif "norm" in (name.split(".")[-2] if "." in name else ""):  # norm, norm1/2, q_norm, k_norm, final_norm
             v = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
         elif t.ndim == 2 and not name.endswith("adaln_t_table"):
             v = torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[1])
