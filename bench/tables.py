@@ -1,0 +1,730 @@
+"""Markdown tables (and PNG plots) generated from bench/results/*.json.
+
+    python bench/tables.py                   # rewrite README.md's generated section
+    python bench/tables.py --into rfc/0000-minimax-h3-sequence-parallel.md   # ... and the RFC's
+    python bench/tables.py --plots           # also draw the PNGs into bench/results/ (needs matplotlib)
+    python bench/tables.py --check           # exit 1 when README.md's section is not what this writes now
+
+Only the text between ``<!-- tables:begin -->`` and ``<!-- tables:end -->`` is replaced; everything
+else in a target file stays byte-identical. A target without the file or the markers is skipped
+with a message (README.md under --check: that is a failure). Tables whose JSON file or section is
+missing are replaced by a comment line, never by a crash. The output depends only on the JSON
+files (no clocks, no environment), so --check is reproducible; matplotlib is needed for --plots
+only.
+"""
+
+import argparse
+import difflib
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+BEGIN = "<!-- tables:begin -->"
+END = "<!-- tables:end -->"
+
+# the scaling targets of the issue (speed-up over one GPU at N GPUs)
+TARGETS = {2: 1.95, 4: 3.85, 8: 7.5}
+
+PLOT_NATIVE = "h3_native_step_time.png"
+PLOT_SCALING = "h3_sp_projected_speedup.png"
+
+H3_JSON = "h3_h200.json"
+H3_BASELINE_JSON = "h3_h200_baseline.json"
+PARALLEL_JSON = "parallel_cpu.json"
+SNAPSHOT_JSON = "snapshot_cpu.json"
+PATCH_CHECK_JSON = "patch_check.json"
+
+
+class Skip(Exception):
+    """A table cannot be built from what the JSON holds."""
+
+
+# ---------------------------------------------------------------- loading and formatting
+
+def load(results, name):
+    """The parsed JSON file, or None when it is absent; unreadable JSON raises Skip."""
+    path = Path(results) / name
+    if not path.is_file():
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise Skip(f"{name} unreadable: {e}")
+
+
+def _num(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def fmt(x, digits):
+    return f"{x:.{digits}f}" if _num(x) else "—"
+
+
+def f_s(x):  # seconds; a sub-millisecond value keeps one significant digit instead of reading 0.000
+    if _num(x) and 0 < abs(x) < 0.0005:
+        return f"{x:.1g}"
+    return fmt(x, 3)
+
+
+def f_ratio(x):
+    return fmt(x, 3)
+
+
+def f_speedup(x):
+    return fmt(x, 2)
+
+
+def f_ms(x):
+    return fmt(x, 2)
+
+
+def f_ms_from_s(x):
+    return fmt(x * 1e3, 2) if _num(x) else "—"
+
+
+def f_sci(x):
+    return f"{x:.2e}" if _num(x) else "—"
+
+
+def f_bytes(n):
+    if not _num(n):
+        return "—"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def f_bytes_exact(n):
+    return f"{f_bytes(n)} ({int(n):,} B)" if _num(n) else "—"
+
+
+def f_int(n):
+    return f"{int(n):,}" if _num(n) else "—"
+
+
+def table(header, rows, align=None):
+    """A Markdown table; align: one of 'l'/'r' per column (default: first left, rest right)."""
+    align = align or ["l"] + ["r"] * (len(header) - 1)
+    sep = ["---" if a == "l" else "--:" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def gpu_machine(d):
+    m = d.get("machine") or {}
+    parts = [m.get("gpu") or "GPU not recorded"]
+    if m.get("torch"):
+        parts.append(f"torch {m['torch']}")
+    if m.get("cuda"):
+        parts.append(f"CUDA {m['cuda']}")
+    if m.get("comfy_kitchen") not in (None, "", "?"):
+        parts.append(f"comfy_kitchen {m['comfy_kitchen']}")
+    s = ", ".join(parts)
+    if d.get("started"):
+        s += f" (run started {d['started']})"
+    return s
+
+
+def cpu_machine(d):
+    m = d.get("machine") or {}
+    parts = []
+    cores = m.get("cpus_usable", m.get("cpu_count"))
+    if cores:
+        parts.append(f"{cores} CPU cores")
+    if m.get("platform"):
+        parts.append(m["platform"])
+    if m.get("torch"):
+        parts.append(f"torch {m['torch']}")
+    if m.get("python"):
+        parts.append(f"Python {m['python']}")
+    return ", ".join(parts) or "machine not recorded"
+
+
+def caption(title, name, machine):
+    return f"**{title}** Source: `bench/results/{name}`; {machine}."
+
+
+def best_median(section, key):
+    """min over the interleaved repeats (key, key_2) of the median, as the benchmark's ratios use."""
+    vals = [section[k]["median_s"] for k in (key, f"{key}_2") if isinstance(section.get(k), dict) and _num(section[k].get("median_s"))]
+    if not vals:
+        raise Skip(f"no {key}.median_s")
+    return min(vals)
+
+
+def _worlds(res):
+    return sorted(((int(n), r) for n, r in (res.get("worlds") or {}).items()), key=lambda t: t[0])
+
+
+def _bandwidths(rows):
+    """The bandwidths (GB/s) the projection was made for, from keys projected_speedup_at_<n>GBps."""
+    bws = set()
+    for r in rows:
+        for k in r:
+            m = re.fullmatch(r"projected_speedup_at_(\d+)GBps", k)
+            if m:
+                bws.add(int(m.group(1)))
+    return sorted(bws)
+
+
+# ---------------------------------------------------------------- tables
+
+def t_native(results):
+    d = load(results, H3_JSON)
+    if d is None:
+        raise Skip(f"{H3_JSON} not found")
+    native = d.get("native")
+    if not native:
+        raise Skip(f"{H3_JSON} has no 'native' section")
+    model = d.get("model") or {}
+    extra = ""
+    if model:
+        extra = (f"; {model.get('layers', '?')} blocks, {model.get('parameters', 0) / 1e9:.1f} B parameters, "
+                 f"bf16 weights {model.get('weights_gib', '?')} GiB, random init")
+    out = [caption("H3 native forward (one step, batch 1) on one GPU, ours vs upstream.", H3_JSON, gpu_machine(d) + extra), ""]
+    header = ["resolution (WxHxF)", "tokens", "n", "upstream s", "ours s (cuDNN-first)", "ours s (flash-first)",
+              "ours / upstream", "flash-first / upstream", "peak GiB (upstream / ours)",
+              "rel diff upstream run-to-run", "rel diff ours flash-first vs upstream", "rel diff ours cuDNN-first vs upstream"]
+    rows = []
+    for res, r in native.items():
+        up = best_median(r, "upstream")
+        ours = best_median(r, "ours")
+        flash = (r.get("ours_flash") or {}).get("median_s")
+        ratio = r.get("ratio_ours_over_upstream", ours / up)
+        ratio_flash = r.get("ratio_ours_flash_over_upstream", flash / up if _num(flash) else None)
+        peaks = f"{fmt(r['upstream'].get('peak_gib'), 2)} / {fmt(r['ours'].get('peak_gib'), 2)}"
+        rows.append([res, f_int(r.get("tokens")), r["upstream"].get("n", "—"), f_s(up), f_s(ours), f_s(flash),
+                     f_ratio(ratio), f_ratio(ratio_flash), peaks,
+                     f_sci(r.get("rel_diff_upstream_run_to_run")), f_sci(r.get("rel_diff_ours_flash_vs_upstream")),
+                     f_sci(r.get("rel_diff_ours_cudnn_vs_upstream"))])
+    out += table(header, rows)
+    out += ["", "Times: median of n timed forwards; upstream and ours (cuDNN-first) are the better of two interleaved "
+                "repeats, as the ratios use. Rel diff: max |a - b| / max |b| over the video and audio outputs."]
+    return out
+
+
+def t_native_baseline(results):
+    d = load(results, H3_BASELINE_JSON)
+    if d is None:
+        raise Skip(f"{H3_BASELINE_JSON} not found")
+    native = d.get("native")
+    if not native:
+        raise Skip(f"{H3_BASELINE_JSON} has no 'native' section")
+    out = [caption("Before cuDNN-first: the same forward when ours used upstream's kernels (earlier run).",
+                   H3_BASELINE_JSON, gpu_machine(d)), ""]
+    header = ["run", "resolution (WxHxF)", "tokens", "n", "upstream s", "ours s", "ours / upstream",
+              "peak GiB (upstream / ours)", "max abs diff ours vs upstream"]
+    rows = []
+    for res, r in native.items():
+        up = best_median(r, "upstream")
+        ours = best_median(r, "ours")
+        peaks = f"{fmt(r['upstream'].get('peak_gib'), 2)} / {fmt(r['ours'].get('peak_gib'), 2)}"
+        rows.append(["before cuDNN-first", res, f_int(r.get("tokens")), r["upstream"].get("n", "—"), f_s(up), f_s(ours),
+                     f_ratio(r.get("ratio_ours_over_upstream", ours / up)), peaks,
+                     fmt(r.get("max_abs_diff_ours_vs_upstream"), 3)])
+    out += table(header, rows, ["l", "l"] + ["r"] * 7)
+    return out
+
+
+def t_scaling(results):
+    d = load(results, H3_JSON)
+    if d is None:
+        raise Skip(f"{H3_JSON} not found")
+    sec = d.get("shard_emulation") or {}
+    resolutions = sec.get("resolutions")
+    if not resolutions:
+        raise Skip(f"{H3_JSON} has no 'shard_emulation' section")
+    all_rows = [r for res in resolutions.values() for _, r in _worlds(res)]
+    bws = _bandwidths(all_rows)
+    out = [caption("Sequence-parallel scaling ceiling: one DiT block emulated per rank on one GPU.", H3_JSON, gpu_machine(d)), ""]
+    header = ["resolution (WxHxF)", "tokens", "N", "rows / rank", "block ms", "compute speed-up",
+              "all-to-all MiB / rank / block"]
+    header += [f"projected speed-up @ {bw} GB/s" for bw in bws]
+    header += ["issue target", "target met at"]
+    rows = []
+    for res, r in resolutions.items():
+        for n, w in _worlds(r):
+            target = TARGETS.get(n)
+            met = "—"
+            if target is not None:
+                ok = [f"{bw} GB/s" for bw in bws if _num(w.get(f"projected_speedup_at_{bw}GBps"))
+                      and w[f"projected_speedup_at_{bw}GBps"] >= target]
+                met = ", ".join(ok) if ok else "no"
+            a2a = w.get("a2a_bytes_per_rank_per_block")
+            rows.append([res, f_int(r.get("tokens")), n, f_int(w.get("rows_per_rank")), f_ms_from_s(w.get("block_s")),
+                         f_speedup(w.get("compute_speedup")), fmt(a2a / 2**20, 1) if _num(a2a) else "—"]
+                        + [f_speedup(w.get(f"projected_speedup_at_{bw}GBps")) for bw in bws]
+                        + [f_speedup(target) if target else "—", met])
+    out += table(header, rows)
+    note = sec.get("note")
+    out += ["", "Compute speed-up: block time at N=1 / block time at N. Projected: N=1 block time / (block time + "
+                "all-to-all bytes / bandwidth), GB/s = 1e9 B/s, no overlap of communication and compute."
+            + (f" Method (from the JSON): {note}." if note else "")]
+    return out
+
+
+ATTN_BACKENDS = (("flash", "flash"), ("efficient", "memory-efficient"), ("cudnn", "cuDNN"))
+
+
+def t_kernels(results):
+    d = load(results, H3_JSON)
+    if d is None:
+        raise Skip(f"{H3_JSON} not found")
+    k = d.get("kernels") or {}
+    res = k.get("results")
+    if not res:
+        raise Skip(f"{H3_JSON} has no 'kernels' section")
+    shape = f"S={f_int(k.get('seq'))}, {k.get('heads', '?')} heads x {k.get('head_dim', '?')}, bf16"
+    machine = gpu_machine(d)
+
+    def ms(key):
+        v = res.get(key)
+        if isinstance(v, str):
+            return "unavailable"
+        return f_ms_from_s(v)
+
+    out = []
+    # attention backends
+    if any(key.startswith("sdpa_") for key in res):
+        out += [caption(f"Kernel choices, attention ({shape}), milliseconds.", H3_JSON, machine), ""]
+        rows = [[label, ms(f"sdpa_{name}_strided_qkv_views"), ms(f"sdpa_{name}_contiguous")] for name, label in ATTN_BACKENDS]
+        if "h3_kernels_attention" in res:
+            rows.append(["`minimax_h3.kernels.attention` (cuDNN-first, as used)", ms("h3_kernels_attention"), "—"])
+        if "comfy_optimized_attention" in res:
+            rows.append(["ComfyUI `optimized_attention`", ms("comfy_optimized_attention"), "—"])
+        out += table(["SDPA backend", "strided q/k/v views ms", "contiguous q/k/v ms"], rows)
+    else:
+        out.append("<!-- attention kernel table skipped: no sdpa_* results -->")
+    # fused RMSNorm + rope
+    if "rms_rope_fused_kitchen_s" in res or "rms_rope_torch_reference_s" in res:
+        fused, ref = res.get("rms_rope_fused_kitchen_s"), res.get("rms_rope_torch_reference_s")
+        out += ["", caption(f"Kernel choices, per-head RMSNorm + rope on q and k ({shape}), milliseconds.", H3_JSON, machine), ""]
+        out += table(["fused (comfy_kitchen) ms", "torch reference ms", "speed-up"],
+                     [[ms("rms_rope_fused_kitchen_s"), ms("rms_rope_torch_reference_s"),
+                       f_speedup(ref / fused) if _num(ref) and _num(fused) and fused else "—"]], ["r"] * 3)
+    else:
+        out += ["", "<!-- rms+rope kernel table skipped: no rms_rope_* results -->"]
+    # q|k|v pack per N
+    packs = sorted({int(m.group(1)) for key in res for m in [re.fullmatch(r"qkv_pack_(?:cat|one_copy)_N(\d+)_s", key)] if m})
+    if packs:
+        out += ["", caption(f"Kernel choices, packing q|k|v head slices for the all-to-all (S/N rows, {shape}), milliseconds.",
+                            H3_JSON, machine), ""]
+        rows = []
+        for n in packs:
+            cat, one = res.get(f"qkv_pack_cat_N{n}_s"), res.get(f"qkv_pack_one_copy_N{n}_s")
+            rows.append([n, ms(f"qkv_pack_cat_N{n}_s"), ms(f"qkv_pack_one_copy_N{n}_s"),
+                         f_speedup(cat / one) if _num(cat) and _num(one) and one else "—"])
+        out += table(["N", "torch.cat of slices ms", "one copy (pack_heads) ms", "speed-up"], rows)
+    else:
+        out += ["", "<!-- q|k|v pack table skipped: no qkv_pack_cat_N*/qkv_pack_one_copy_N* results -->"]
+    return out
+
+
+def t_parallel(results):
+    d = load(results, PARALLEL_JSON)
+    if d is None:
+        raise Skip(f"{PARALLEL_JSON} not found")
+    rows_in = d.get("results")
+    if not rows_in:
+        raise Skip(f"{PARALLEL_JSON} has no 'results'")
+    out = [caption("comfy/parallel costs on CPU (gloo): start-up to ready and op round trips.", PARALLEL_JSON, cpu_machine(d)), ""]
+    header = ["N", "start-up to ready s (mean)", "min–max s", "spawn + import s", "rendezvous + probe + setup ms",
+              "empty op ms mean / p50 / p95", "op with 4 KiB input ms mean / p50 / p95", "close s"]
+    rows = []
+    for r in rows_in:
+        st = r.get("startup_s") or {}
+        ph = st.get("phase_means") or {}
+        fixed = [ph.get(k) for k in ("rendezvous", "probe", "setup")]
+        e = r.get("empty_op_round_trip_ms") or {}
+        f4 = r.get("op_with_4KiB_input_round_trip_ms") or {}
+
+        def trip(s):
+            return " / ".join(f_ms(s.get(k)) for k in ("mean", "p50", "p95")) + (f" (n={s['n']})" if "n" in s else "")
+
+        n_starts = len(st.get("samples") or [])
+        rows.append([r.get("world_size", "?"), f_s(st.get("mean")) + (f" (n={n_starts})" if n_starts else ""),
+                     f"{f_s(st.get('min'))}–{f_s(st.get('max'))}", f_s(ph.get("spawn_and_import")),
+                     f_ms(sum(fixed) * 1e3) if all(_num(x) for x in fixed) else "—", trip(e), trip(f4),
+                     f_s((r.get("close_s") or {}).get("mean"))])
+    out += table(header, rows)
+    la = d.get("load_average_1_5_15min") or {}
+    if la.get("before") and la.get("after"):
+        out += ["", "Load average (1/5/15 min) before: " + " / ".join(fmt(x, 2) for x in la["before"])
+                + ", after: " + " / ".join(fmt(x, 2) for x in la["after"])
+                + (f" ({la['note']})." if la.get("note") else ".")]
+    return out
+
+
+def t_snapshot(results):
+    d = load(results, SNAPSHOT_JSON)
+    if d is None:
+        raise Skip(f"{SNAPSHOT_JSON} not found")
+    snap = d.get("snapshot")
+    if not snap:
+        raise Skip(f"{SNAPSHOT_JSON} has no 'snapshot' section")
+    lora = d.get("lora") or {}
+    what = d.get("benchmark") or "patch snapshot"
+    med = f", median of {d['median_of']}" if d.get("median_of") else ""
+    machine = cpu_machine(d)
+    out = [caption(f"Patch snapshot costs: {what}{med}.", SNAPSHOT_JSON, machine), ""]
+    rows = [["snapshot capture (hash every tensor)", f_s(snap.get("capture_s")), "—"],
+            ["snapshot encode (manifest + tensor bytes)", f_s(snap.get("encode_s")),
+             f"{f_bytes_exact(snap.get('bytes'))}, manifest {f_bytes(snap.get('manifest_bytes'))}"],
+            ["snapshot decode (verify hashes + digest)", f_s(snap.get("decode_s")), "—"]]
+    ts = d.get("torch_save_patches_dict") or {}
+    if ts:
+        rows += [["torch.save(ModelPatcher.patches) (pickle baseline)", f_s(ts.get("save_s")), f_bytes_exact(ts.get("bytes"))],
+                 ["torch.load(weights_only=False) (pickle baseline)", f_s(ts.get("load_s_weights_only_false")), "—"]]
+    delta = d.get("delta_strength_change_one_block") or {}
+    if delta:
+        ck = f", {delta['changed_keys']} keys" if "changed_keys" in delta else ""
+        rows += [[f"delta after a strength change in one block: diff{ck}", f_s(delta.get("diff_s")), "—"],
+                 ["delta after a strength change in one block: encode", f_s(delta.get("encode_s")), f_bytes_exact(delta.get("bytes"))]]
+    if lora:
+        rows.append([f"LoRA payload ({lora.get('keys', '?')} keys, rank {lora.get('rank', '?')}, {lora.get('factor_dtype', '?')}, "
+                     f"{lora.get('tensors', '?')} tensors)", "—", f_bytes_exact(lora.get("tensor_bytes"))])
+    out += table(["step", "time s", "bytes"], rows)
+
+    ap = d.get("apply") or {}
+    pairs = []
+    for key in ap:
+        m = re.fullmatch(r"(.+)_s_measured", key)
+        if m:
+            ext = next((k for k in ap if re.fullmatch(re.escape(m.group(1)) + r"_s_extrapolated_(\d+)", k)), None)
+            pairs.append((m.group(1), key, ext))
+    if pairs:
+        n_ext = next((re.search(r"_(\d+)$", e).group(1) for _, _, e in pairs if e), "?")
+        labels = {"apply": "snapshot apply (incl. backup copies)", "clear": "snapshot clear (restore backups)",
+                  "reapply_other_strength": "re-apply at another strength (from backups)",
+                  "comfyui_patch_model": "ComfyUI ModelPatcher.patch_model() (same patches, for scale)",
+                  "comfyui_unpatch_model": "ComfyUI ModelPatcher.unpatch_model() (for scale)"}
+        order = list(labels)
+        pairs.sort(key=lambda p: (order.index(p[0]) if p[0] in order else len(order), p[0]))
+        arith = f", {ap['arithmetic']} arithmetic" if ap.get("arithmetic") else ""
+        out += ["", caption(f"Patch snapshot apply on the worker side{arith}: measured on "
+                            f"{ap.get('measured_keys', '?')} keys, scaled to {n_ext}.", SNAPSHOT_JSON, machine), ""]
+        # the scaled figures are stored to 0.1 s: shown as stored
+        rows = [[labels.get(name, name), f_s(ap.get(meas)), fmt(ap.get(ext), 1) if ext else "—"] for name, meas, ext in pairs]
+        if "backup_bytes_measured" in ap:
+            rows.append(["backup of touched base weights (bytes)", f_bytes(ap.get("backup_bytes_measured")),
+                         f_bytes(ap.get(f"backup_bytes_{n_ext}"))])
+        out += table(["step", f"measured s ({ap.get('measured_keys', '?')} keys)", f"scaled s ({n_ext} keys)"], rows)
+    else:
+        out += ["", "<!-- snapshot apply table skipped: no 'apply' section -->"]
+    notes = d.get("notes") or []
+    page = next((n for n in notes if "page fault" in n), None)
+    if page:
+        out += ["", f"Note (from the JSON): {page}."]
+    return out
+
+
+def _flatten_counts(x, prefix=""):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _flatten_counts(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(x, int) and not isinstance(x, bool):
+        yield prefix, x
+
+
+def t_patch_check(results):
+    d = load(results, PATCH_CHECK_JSON)
+    if d is None:
+        return []  # optional: produced elsewhere; absent means no table, silently
+    if not isinstance(d, dict):
+        raise Skip(f"{PATCH_CHECK_JSON} is not an object")
+    src = d.get("counts") if isinstance(d.get("counts"), dict) else {k: v for k, v in d.items() if k != "machine"}
+    counts = list(_flatten_counts(src))
+    if not counts:
+        raise Skip(f"{PATCH_CHECK_JSON} holds no counts")
+    what = d.get("what") or d.get("description") or "patch check"
+    base = d.get("base") or d.get("comfyui_base")
+    machine = f"base {base}" if isinstance(base, str) else "counts, no machine dependence"
+    out = [caption(f"Patch series check: {what}.", PATCH_CHECK_JSON, machine), ""]
+    out += table(["count", "value"], [[f"`{k}`", f"{v:,}"] for k, v in counts])
+    return out
+
+
+def t_accuracy_profile(results):
+    name = "h3_h200_accuracy_profile.json"
+    d = load(results, name)
+    if d is None or "accuracy" not in d:
+        raise Skip(f"{name} not found or has no 'accuracy' section")
+    acc = d["accuracy"]["results"]
+    out = [caption("Attention backend accuracy (relative L2 error vs fp64, bf16 inputs) and one bf16 DiT block "
+                   "(update x_out - x_in) vs the same block in fp32.", name, gpu_machine(d)), ""]
+    out += table(["quantity", "flash", "cuDNN", "memory-efficient"],
+                 [["attention, S = 15,356, 56 x 128 heads", f_sci(acc.get("attention_flash_bf16_rel_err")),
+                   f_sci(acc.get("attention_cudnn_bf16_rel_err")), f_sci(acc.get("attention_efficient_bf16_rel_err"))],
+                  ["one DiT block (layer 0 weights)", f_sci(acc.get("block_flash_bf16_rel_err_vs_fp32")),
+                   f_sci(acc.get("block_cudnn_bf16_rel_err_vs_fp32")), "—"]])
+    prof = (d.get("profile") or {}).get("ours")
+    if prof:
+        kernels = [r for r in prof["top"] if not r["name"].startswith(("aten::", "Command Buffer"))]
+        groups = {"GEMM (nvjet / cuBLAS)": ("nvjet", "gemm"), "attention (cuDNN)": ("cudnn",),
+                  "fused RMSNorm + rope (comfy_kitchen)": ("rope_kernel",), "RMSNorm": ("layer_norm",)}
+        rows, seen = [], set()
+        for label, keys in groups.items():
+            ms = sum(r["device_ms"] for r in kernels if any(k in r["name"] for k in keys) and r["name"] not in seen)
+            seen |= {r["name"] for r in kernels if any(k in r["name"] for k in keys)}
+            rows.append([label, f_ms(ms)])
+        rows.append(["elementwise (modulation, gates, SwiGLU, copies)", f_ms(sum(r["device_ms"] for r in kernels if r["name"] not in seen))])
+        rows.append(["all kernels", f_ms(sum(r["device_ms"] for r in kernels))])
+        out += ["", f"Where one step of ours goes ({d['profile'].get('resolution')}, torch profiler, kernel time in ms, "
+                    "top kernels only):", ""]
+        out += table(["kernels", "ms per step"], rows)
+    return out
+
+
+SECTIONS = (
+    ("H3 native forward", t_native),
+    ("H3 accuracy and step profile", t_accuracy_profile),
+    ("H3 native forward before cuDNN-first", t_native_baseline),
+    ("sequence-parallel scaling", t_scaling),
+    ("kernel choices", t_kernels),
+    ("comfy/parallel costs", t_parallel),
+    ("patch snapshot costs", t_snapshot),
+    ("patch check", t_patch_check),
+)
+
+
+def plot_links(results, target_dir):
+    """Markdown images for the plots whose data exists, relative to the file they go into."""
+    links = []
+    try:
+        d = load(results, H3_JSON)
+    except Skip:
+        d = None
+    if d and d.get("native"):
+        links.append(("H3 native forward, ours vs upstream", PLOT_NATIVE))
+    if d and (d.get("shard_emulation") or {}).get("resolutions"):
+        links.append(("projected sequence-parallel speed-up vs N", PLOT_SCALING))
+    out = []
+    for alt, name in links:
+        rel = os.path.relpath(Path(results) / name, target_dir).replace(os.sep, "/")
+        out.append(f"![{alt}]({rel})")
+    return out
+
+
+def generate(results=RESULTS, target_dir=ROOT):
+    """The text that goes between the markers of a file in target_dir (starts and ends with a newline)."""
+    lines = ["<!-- generated by bench/tables.py from bench/results/*.json: edit those, then run the script -->"]
+    for title, fn in SECTIONS:
+        try:
+            part = fn(results)
+        except Skip as e:
+            part = [f"<!-- {title}: table skipped ({e}) -->"]
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+            part = [f"<!-- {title}: table skipped (unexpected JSON structure: {type(e).__name__} {e}) -->"]
+        if part:
+            lines += [""] + part
+    links = plot_links(results, target_dir)
+    if links:
+        lines += ["", "Plots (`python bench/tables.py --plots`): " + " ".join(links)]
+    return "\n" + "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- markers
+
+def splice(text, block):
+    """text with everything between the markers replaced by block; None when the markers are missing."""
+    i = text.find(BEGIN)
+    if i < 0:
+        return None
+    j = text.find(END, i + len(BEGIN))
+    if j < 0:
+        return None
+    return text[:i + len(BEGIN)] + block + text[j:]
+
+
+def current_block(text):
+    i = text.find(BEGIN)
+    j = text.find(END, i + len(BEGIN)) if i >= 0 else -1
+    return None if i < 0 or j < 0 else text[i + len(BEGIN):j]
+
+
+def read_text(path):
+    with open(path, encoding="utf-8", newline="") as f:
+        return f.read()
+
+
+def write_into(path, results, check=False):
+    """Write (or with check, compare) the generated section of path. Returns 'ok', 'changed', 'stale' or 'skipped'."""
+    path = Path(path)
+    if not path.is_file():
+        print(f"{path}: no such file, skipped")
+        return "skipped"
+    text = read_text(path)
+    block = generate(results, path.resolve().parent)
+    new = splice(text, block)
+    if new is None:
+        print(f"{path}: no {BEGIN} ... {END} markers, skipped")
+        return "skipped"
+    if new == text:
+        print(f"{path}: tables up to date")
+        return "ok"
+    if check:
+        old = current_block(text) or ""
+        diff = difflib.unified_diff(old.splitlines(), block.splitlines(), "in file", "generated now", lineterm="", n=1)
+        print(f"{path}: generated tables are out of date (run python bench/tables.py):")
+        print("\n".join(list(diff)[:40]))
+        return "stale"
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(new)
+    print(f"{path}: tables written")
+    return "changed"
+
+
+# ---------------------------------------------------------------- plots
+
+def make_plots(results=RESULTS):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: plots skipped (pip install matplotlib; it is not a project dependency)")
+        return []
+    results = Path(results)
+    written = []
+    try:
+        d = load(results, H3_JSON)
+    except Skip as e:
+        print(f"plots skipped: {e}")
+        return []
+    if not d:
+        print(f"plots skipped: {H3_JSON} not found")
+        return []
+    machine = gpu_machine(d).split(" (run started")[0]
+    meta = {"Software": None}
+
+    native = d.get("native")
+    if native:
+        try:
+            base = load(results, H3_BASELINE_JSON)
+        except Skip:
+            base = None
+        res_names = list(native)
+        series = [("upstream", [best_median(native[r], "upstream") for r in res_names], "#7f7f7f", None),
+                  ("ours, flash-first", [native[r]["ours_flash"]["median_s"] for r in res_names], "#9ecae1", None),
+                  ("ours, cuDNN-first", [best_median(native[r], "ours") for r in res_names], "#1f77b4", None)]
+        if base and base.get("native") and all(r in base["native"] for r in res_names):
+            series.insert(0, ("upstream, earlier run (before cuDNN-first)",
+                              [best_median(base["native"][r], "upstream") for r in res_names], "#d9d9d9", "//"))
+        fig, ax = plt.subplots(figsize=(9, 5.2))
+        width = 0.8 / len(series)
+        for i, (label, vals, color, hatch) in enumerate(series):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(res_names))]
+            bars = ax.bar(xs, vals, width, label=label, color=color, hatch=hatch, edgecolor="#404040", linewidth=0.6)
+            ax.bar_label(bars, labels=[f"{v:.3f}" for v in vals], fontsize=8, padding=2)
+        ax.set_xticks(range(len(res_names)))
+        ax.set_xticklabels([f"{r}\n{native[r]['tokens']:,} tokens" for r in res_names])
+        ax.set_ylabel("forward time per step (s, median)")
+        ax.set_xlabel("resolution (W x H x frames)")
+        layers = (d.get("model") or {}).get("layers")
+        ax.set_title(f"MiniMax H3 native forward{f' ({layers} blocks, bf16)' if layers else ''}, one GPU\n{machine}", fontsize=11)
+        ax.legend(fontsize=9, loc="upper left")
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.margins(y=0.12)
+        fig.tight_layout()
+        path = results / PLOT_NATIVE
+        fig.savefig(path, dpi=120, metadata=meta)
+        plt.close(fig)
+        written.append(path)
+
+    resolutions = (d.get("shard_emulation") or {}).get("resolutions")
+    if resolutions:
+        names = list(resolutions)
+        # top row: speed-up (log-log, so the ideal is a straight line); bottom row: speed-up / N, where the gaps show
+        fig, axes = plt.subplots(2, len(names), figsize=(5.4 * len(names), 8.4), sharex=True, sharey="row", squeeze=False,
+                                 gridspec_kw={"height_ratios": [3, 2]})
+        colors = ("#ff7f0e", "#1f77b4", "#9467bd", "#8c564b")
+        for col, res in enumerate(names):
+            top, bottom = axes[0][col], axes[1][col]
+            worlds = _worlds(resolutions[res])
+            ns = [n for n, _ in worlds]
+            bws = _bandwidths([w for _, w in worlds])
+            curves = [("compute only", [w["compute_speedup"] for _, w in worlds], "#2ca02c", "o", ":")]
+            curves += [(f"projected, all-to-all at {bw} GB/s", [w[f"projected_speedup_at_{bw}GBps"] for _, w in worlds], c, "s", "-")
+                       for bw, c in zip(bws, colors)]
+            tn = [n for n in ns if n in TARGETS]
+            for ax, scale in ((top, lambda n, v: v), (bottom, lambda n, v: 100 * v / n)):
+                ax.plot(ns, [scale(n, n) for n in ns], color="#999999", linestyle="--", label="ideal (N)")
+                for label, vals, color, marker, ls in curves:
+                    ax.plot(ns, [scale(n, v) for n, v in zip(ns, vals)], marker=marker, linestyle=ls, color=color, label=label)
+                ax.scatter(tn, [scale(n, TARGETS[n]) for n in tn], marker="*", s=170, color="#d62728", zorder=5, label="issue target")
+                ax.grid(alpha=0.3)
+            for n in tn:
+                top.annotate(f"target {TARGETS[n]}", (n, TARGETS[n]), textcoords="offset points", xytext=(-62, 4),
+                             fontsize=8, color="#d62728")
+            top.set_xscale("log", base=2)
+            top.set_yscale("log", base=2)
+            top.set_yticks(ns)
+            top.set_yticklabels([str(n) for n in ns])
+            top.set_title(f"{res} ({resolutions[res].get('tokens', 0):,} tokens)", fontsize=10)
+            bottom.set_xticks(ns)
+            bottom.set_xticklabels([str(n) for n in ns])
+            bottom.set_xlabel("GPUs N (sequence-parallel world size)")
+        axes[0][0].set_ylabel("speed-up over one GPU (one DiT block)")
+        axes[1][0].set_ylabel("parallel efficiency: speed-up / N (%)")
+        lowest = min(100 * w[k] / n for r in resolutions.values() for n, w in _worlds(r) for k in w
+                     if k == "compute_speedup" or k.startswith("projected_speedup_at_"))
+        axes[1][0].set_ylim(max(0, min(lowest, 100 * min(t / n for n, t in TARGETS.items())) - 4), 101)
+        axes[0][-1].legend(fontsize=8, loc="upper left")
+        fig.suptitle(f"H3 sequence parallel: projected speed-up vs N (one block emulated per rank on one GPU, no overlap)\n{machine}",
+                     fontsize=11)
+        fig.tight_layout()
+        path = results / PLOT_SCALING
+        fig.savefig(path, dpi=120, metadata=meta)
+        plt.close(fig)
+        written.append(path)
+    for p in written:
+        print(f"{p}: plot written")
+    return written
+
+
+# ---------------------------------------------------------------- command line
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(RESULTS), help="folder with the JSON results (default bench/results)")
+    ap.add_argument("--readme", default=str(README), help="the main target (default README.md)")
+    ap.add_argument("--into", action="append", default=[], metavar="PATH",
+                    help="another Markdown file with the markers (repeatable); skipped when it or its markers are absent")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when README.md's section is out of date")
+    ap.add_argument("--plots", action="store_true", help="also draw the PNG plots into the results folder (matplotlib)")
+    ap.add_argument("--print", dest="print_only", action="store_true", help="print the generated section and exit")
+    args = ap.parse_args(argv)
+
+    if args.print_only:
+        print(generate(args.results, Path(args.readme).resolve().parent), end="")
+        return 0
+    if args.check:
+        status = write_into(args.readme, args.results, check=True)
+        for extra in args.into:
+            if write_into(extra, args.results, check=True) == "stale":
+                status = "stale"
+        for name in (PLOT_NATIVE, PLOT_SCALING):
+            p = Path(args.results) / name
+            if not p.is_file() and any(name in line for line in plot_links(args.results, Path(args.readme).resolve().parent)):
+                print(f"warning: {p} is linked but missing (python bench/tables.py --plots)")
+        return 0 if status == "ok" else 1
+    if args.plots:
+        make_plots(args.results)
+    write_into(args.readme, args.results)
+    for extra in args.into:
+        write_into(extra, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
