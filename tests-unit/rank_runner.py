@@ -9,6 +9,7 @@ made. A rank that raises writes its traceback; the parent re-raises the first fa
 import argparse
 import datetime
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -44,7 +45,7 @@ def main(argv=None):
         import torch
         import torch.distributed as dist
         from safetensors.torch import save_file
-        if os.environ.get("COMFYUI_DIR") and not torch.cuda.is_available():
+        if importlib.util.find_spec("comfy.cli_args") is not None and not torch.cuda.is_available():
             # ComfyUI's model_management asserts CUDA unless told to run on the CPU
             from comfy.cli_args import args as comfy_args
             comfy_args.cpu = True

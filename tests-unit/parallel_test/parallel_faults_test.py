@@ -42,6 +42,9 @@ def assert_restart_works(g):
 def test_worker_killed_while_idle(tmp_path):
     with ParallelGroup("idle-kill", log_dir=str(tmp_path)) as g:
         g.start(["cpu", "cpu", "cpu"], spec())
+        # the worker logs "ready" just after telling rank 0; wait for the line so the tail can show it
+        log = tmp_path / "rank2-gen1.log"
+        assert wait_until(lambda: "ready: rank 2 of 3" in log.read_text(), DETECT_BOUND) is not None
         os.kill(g.worker_pids()[2], signal.SIGKILL)
         assert wait_until(lambda: g.state == "broken", DETECT_BOUND) is not None
         with pytest.raises(ParallelGroupError) as info:
