@@ -1,0 +1,271 @@
+"""Apply the series to a clean copy of the pinned base and test the result.
+
+    COMFYUI_DIR=/path/to/ComfyUI patches/check [--bisect] [--keep]
+
+1. clone COMFYUI_DIR twice (base, patched) and check the base is the pinned one;
+2. `git am` every patch of patches/series, in order, onto the patched copy (any conflict fails);
+   after each patch, import the modules it adds and comfy.model_base there (--bisect: also run
+   the tests the patch adds);
+3. check the patched tree holds exactly this repository's files (the series is in sync);
+4. import check: ComfyUI's model stack, the re-export and every new module, in the patched tree;
+   ComfyUI loads its extra nodes (ours registered, no import failure the base does not have);
+5. our tests inside the patched tree, with the patched tree's own pytest configuration;
+6. ComfyUI's tests-unit on the base and on the patched tree (our tests left out), compared test by
+   test: a test that passes on the base must pass after patching.
+
+torchvision / torchaudio cannot be installed in this CPU environment; the import check installs
+tests-unit/absent_media_packages.py's stand-ins first, as our ComfyUI tests do. ComfyUI's own tests
+run without them, identically on both trees. A JSON summary goes to bench/results/patch_check.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+import manifest as series
+from manifest import HERE, REPO, SeriesError, git
+
+RESULT_JSON = os.path.join(REPO, "bench", "results", "patch_check.json")
+STUBS = "import sys; sys.path.insert(0, 'tests-unit'); import absent_media_packages; absent_media_packages.install(); "
+CPU = "from comfy.cli_args import args; args.cpu = True; "
+IMPORT_CHECK = ("import comfy.model_base, comfy.ldm.minimax.model, comfy.ldm.minimax_h3.model, comfy.parallel, "
+                "comfy.model_patcher_snapshot, comfy_extras.nodes_minimax_h3_parallel")
+OUR_TESTS = ["tests-unit/minimax_h3_test", "tests-unit/comfy_test/model_patcher_snapshot_test.py",
+             "tests-unit/comfy_test/model_patcher_snapshot_overlay_test.py", "tests-unit/parallel_test",
+             "tests-unit/comfy_extras_test/nodes_minimax_h3_parallel_test.py", "tests-unit/infra_test"]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+NODE_ID = "MiniMaxH3SequenceParallel"
+LOAD_NODES = ("import asyncio, json, nodes; failed = asyncio.run(nodes.init_builtin_extra_nodes()); "
+              f"print(json.dumps({{'failed': sorted(failed), 'node': nodes.NODE_DISPLAY_NAME_MAPPINGS.get('{NODE_ID}')}}))")
+
+
+class Run:
+    """Runs commands in a tree with a clean environment, logging output, remembering the commands."""
+
+    def __init__(self, work):
+        self.work, self.commands, self.logs = work, [], 0
+        self.env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_DIR", "PYTHONPATH")}
+        self.env.update(PYTHONDONTWRITEBYTECODE="1", GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
+
+    def __call__(self, tree, argv, label, timeout=1800):
+        self.logs += 1
+        log = os.path.join(self.work, f"{self.logs:02d}-{label}.log")
+        shown = " ".join(a if " " not in a and a else repr(a) for a in argv)
+        self.commands.append({"step": label, "cwd": os.path.basename(tree), "command": shown, "log": os.path.basename(log)})
+        start = time.monotonic()
+        with open(log, "w") as out:
+            try:
+                rc = subprocess.run(argv, cwd=tree, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        with open(log) as f:
+            text = f.read()
+        return rc, text, round(time.monotonic() - start, 1)
+
+
+def module_names(paths):
+    return [p[:-3].replace("/", ".").removesuffix(".__init__") for p in paths
+            if p.endswith(".py") and p.startswith(("comfy/", "comfy_extras/"))]
+
+
+def apply_series(run, tree, manifest, resolved, names, bisect):
+    """git am each patch; import what it adds; with bisect, run the tests it adds."""
+    steps = []
+    for entry, name in zip(manifest["patches"], names):
+        rc, text, _ = run(tree, ["git", "am", "--quiet", os.path.join(HERE, name)], f"am-{entry['name']}")
+        if rc != 0:
+            run(tree, ["git", "am", "--abort"], "am-abort")
+            raise SeriesError(f"git am {name} failed on the base:\n{text.strip()}")
+        modules = ["comfy.model_base"] + module_names(resolved[entry["name"]] + list(entry.get("replace", {})))
+        rc, text, secs = run(tree, [sys.executable, "-c", STUBS + CPU + "import " + ", ".join(modules)], f"import-{entry['name']}")
+        step = {"patch": name, "imports": modules, "import_ok": rc == 0}
+        if rc != 0:
+            raise SeriesError(f"after {name}: importing {', '.join(modules)} failed:\n{text[-3000:]}")
+        tests = [f for f in resolved[entry["name"]] if f.endswith("_test.py")]
+        if bisect and tests:
+            rc, text, secs = run(tree, PYTEST + ["-m", "not slow"] + tests, f"tests-{entry['name']}")
+            step.update(tests=summary_line(text), tests_ok=rc == 0, seconds=secs)
+            if rc != 0:
+                raise SeriesError(f"after {name}: its own tests fail:\n{text[-3000:]}")
+        steps.append(step)
+        print(f"  applied {name}" + (f"; its tests: {step['tests']}" if "tests" in step else ""))
+    return steps
+
+
+def out_of_sync(tree, manifest, resolved):
+    """Files whose content in the patched tree differs from this repository's."""
+    pairs = [(f, f) for files in resolved.values() for f in files]
+    pairs += [(target, source) for p in manifest["patches"] for target, source in p.get("replace", {}).items()]
+    bad = []
+    for in_tree, in_repo in pairs:
+        with open(os.path.join(tree, in_tree), "rb") as a, open(os.path.join(REPO, in_repo), "rb") as b:
+            if a.read() != b.read():
+                bad.append(in_tree)
+    return bad
+
+
+def summary_line(text):
+    lines = [line.strip("= ") for line in text.splitlines() if " in " in line and any(
+        w in line for w in (" passed", " failed", " error", " skipped", " deselected", "no tests ran"))]
+    return lines[-1] if lines else "(no pytest summary)"
+
+
+def outcomes(junit):
+    """{test id: passed | failed | error | skipped}, the worst outcome when an id repeats."""
+    rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+    found = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        tid = f"{case.get('classname', '')}::{case.get('name', '')}"
+        tags = {child.tag for child in case}
+        outcome = "error" if "error" in tags else "failed" if "failure" in tags else "skipped" if "skipped" in tags else "passed"
+        if rank[outcome] >= rank.get(found.get(tid), -1):
+            found[tid] = outcome
+    return found
+
+
+def count(results):
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for outcome in results.values():
+        counts[outcome] += 1
+    return counts
+
+
+def comfyui_tests(run, tree, label, ignores):
+    junit = os.path.join(run.work, f"junit-{label}.xml")
+    argv = PYTEST + ["tests-unit", "--continue-on-collection-errors", f"--junitxml={junit}"] + [f"--ignore={p}" for p in ignores]
+    rc, text, secs = run(tree, argv, f"comfyui-tests-{label}")
+    if not os.path.exists(junit):
+        raise SeriesError(f"ComfyUI's tests-unit did not run on the {label} tree (exit {rc}):\n{text[-3000:]}")
+    results = outcomes(junit)
+    return results, {"exit_code": rc, "seconds": secs, "summary": summary_line(text), **count(results)}
+
+
+def our_test_ignores(base_tree, resolved):
+    """Our test files for the ComfyUI run: whole directories the base does not have, else files."""
+    ignores = set()
+    for path in (f for files in resolved.values() for f in files if f.startswith("tests-unit/")):
+        top = "/".join(path.split("/")[:2])
+        if not os.path.exists(os.path.join(base_tree, top)):
+            ignores.add(top)
+        elif path.endswith("_test.py"):
+            ignores.add(path)
+    return sorted(ignores)
+
+
+def check(args, manifest, run, report):
+    work = run.work
+    resolved = series.resolve(manifest)
+    with open(os.path.join(HERE, "series"), encoding="utf-8") as f:
+        names = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    if names != [p["name"] + ".patch" for p in manifest["patches"]]:
+        raise SeriesError(f"patches/series lists {names}, series.json {[p['name'] for p in manifest['patches']]}: run patches/build")
+    base_tree, tree = os.path.join(work, "base"), os.path.join(work, "patched")
+    for t in (base_tree, tree):
+        series.clone(args.comfyui_dir, t)
+    series.verify_base(manifest, base_tree, label=args.comfyui_dir)
+    for key, value in series.identity(manifest).items():
+        run.env.setdefault(key, value)
+    report["series"] = [{"patch": n, "bytes": os.path.getsize(os.path.join(HERE, n))} for n in names]
+
+    print(f"git am {len(names)} patches onto a clean copy of {args.comfyui_dir}")
+    report["applied"] = apply_series(run, tree, manifest, resolved, names, args.bisect)
+    report["commits"] = git(tree, "log", "--format=%s", f"-{len(names)}").splitlines()[::-1]
+
+    stale = out_of_sync(tree, manifest, resolved)
+    report["in_sync_with_repository"] = not stale
+    if stale:
+        raise SeriesError("the series is out of date with this repository (run patches/build): " + ", ".join(stale))
+    print("  patched tree holds exactly this repository's files")
+
+    rc, text, _ = run(tree, [sys.executable, "-c", STUBS + CPU + IMPORT_CHECK], "import-check")
+    report["import_check"] = {"ok": rc == 0, "command": run.commands[-1]["command"]}
+    if rc != 0:
+        raise SeriesError(f"import check failed in the patched tree:\n{text[-3000:]}")
+    print("  import check: ok (with torchvision/torchaudio stand-ins)")
+
+    loads = {}
+    for label, t in (("base", base_tree), ("patched", tree)):
+        # the base has no tests-unit/absent_media_packages.py: both runs take the patched tree's
+        stubs = STUBS.replace("'tests-unit'", repr(os.path.join(tree, "tests-unit")))
+        rc, text, _ = run(t, [sys.executable, "-c", stubs + CPU + LOAD_NODES], f"load-nodes-{label}")
+        loads[label] = json.loads(text.strip().splitlines()[-1]) if rc == 0 else {"error": text[-2000:]}
+    report["node_loading"] = loads
+    if "error" in loads["base"] or "error" in loads["patched"] or loads["patched"]["failed"] != loads["base"]["failed"] \
+            or not loads["patched"]["node"]:
+        raise SeriesError(f"ComfyUI's extra nodes load differently after patching: {json.dumps(loads)[:3000]}")
+    print(f"  nodes.init_builtin_extra_nodes(): '{loads['patched']['node']}' registered; the same "
+          f"{len(loads['base']['failed'])} extras fail to import as on the base (missing optional packages)")
+
+    junit = os.path.join(work, "junit-ours.xml")
+    rc, text, secs = run(tree, PYTEST + OUR_TESTS + ["-m", "not slow", f"--junitxml={junit}"], "our-tests")
+    ours = outcomes(junit) if os.path.exists(junit) else {}
+    report["our_tests"] = {"exit_code": rc, "seconds": secs, "summary": summary_line(text), **count(ours)}
+    print(f"  our tests in the patched tree: {summary_line(text)} (exit {rc}, {secs} s)")
+    if rc != 0:
+        failed = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        print("\n".join(f"    {line}" for line in failed) or text[-3000:])
+        print(f"    full output: {os.path.join(work, run.commands[-1]['log'])}")
+
+    ignores = our_test_ignores(base_tree, resolved)
+    base, report["comfyui_base"] = comfyui_tests(run, base_tree, "base", ignores)
+    patched, report["comfyui_patched"] = comfyui_tests(run, tree, "patched", ignores)
+    report["comfyui_ignored_in_patched"] = ignores
+    regressions = sorted(t for t, o in base.items() if o == "passed" and patched.get(t) != "passed")
+    new_failures = sorted(t for t, o in patched.items() if o in ("failed", "error") and base.get(t) not in ("failed", "error"))
+    report["regressions"], report["new_failures"] = regressions, new_failures
+    report["counts"] = {"patches": len(names), "our_tests": count(ours), "comfyui_tests_base": count(base),
+                        "comfyui_tests_patched": count(patched), "regressions": len(regressions),
+                        "new_failures": len(new_failures)}
+    for label in ("base", "patched"):
+        c = report[f"comfyui_{label}"]
+        print(f"  ComfyUI tests-unit, {label:7s}: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, "
+              f"{c['skipped']} skipped ({c['seconds']} s)")
+    for t in regressions:
+        print(f"  REGRESSION: {t}: passed on the base, {patched.get(t, 'missing')} after patching")
+    for t in new_failures:
+        print(f"  NEW FAILURE: {t}: {patched[t]} after patching, {base.get(t, 'absent')} on the base")
+    return rc == 0 and not regressions and not new_failures
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bisect", action="store_true", help="also run each patch's own tests right after applying it")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary trees and logs")
+    args = parser.parse_args()
+    report = {"what": "patches/series applied with git am to a clean copy of the base; our tests inside the patched "
+                      "tree; ComfyUI's tests-unit on the base and on the patched tree",
+              "python": platform.python_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    work = tempfile.mkdtemp(prefix="h3sp-check-")
+    run, ok = Run(work), False
+    try:
+        manifest = series.load()
+        args.comfyui_dir = series.comfyui_dir()
+        report["base"] = f"ComfyUI {manifest['base']['upstream_commit'][:12]} (v{manifest['base']['version']})"
+        report["base_sha256"], report["comfyui_dir"] = manifest["base"]["sha256"], args.comfyui_dir
+        ok = check(args, manifest, run, report)
+    except SeriesError as e:
+        report["error"] = str(e)
+        print(f"patches/check: {e}", file=sys.stderr)
+    finally:
+        report["result"] = "pass" if ok else "fail"
+        report["commands"] = run.commands
+        os.makedirs(os.path.dirname(RESULT_JSON), exist_ok=True)
+        with open(RESULT_JSON, "w", encoding="utf-8") as f:
+            f.write(json.dumps(report, indent=2) + "\n")
+        if args.keep or not ok:
+            print(f"trees and logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"patches/check: {'PASS' if ok else 'FAIL'} (summary in {os.path.relpath(RESULT_JSON, REPO)})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
