@@ -484,8 +484,26 @@ def t_accuracy_profile(results):
     return out
 
 
+def t_cpu_native(results):
+    name = "h3_cpu_native.json"
+    d = load(results, name)
+    if d is None or "runs" not in d:
+        raise Skip(f"{name} not found")
+    m = d.get("machine", {})
+    cfg = d.get("config", {})
+    out = [caption(f"H3 forward on CPU, small config (hidden {cfg.get('hidden_size')}, {cfg.get('num_layers')} blocks), "
+                   "ours vs upstream, each run in its own process, interleaved.", name,
+                   f"{m.get('cpus', '?')} CPU cores, Python {m.get('python', '?')}, load average {m.get('load_avg', ['?'])[0]}"), ""]
+    rows = [[i + 1, r["impl"], f_s(r["median_s"]), f_s(r["min_s"]), r["n"], fmt(r["peak_rss_mib"], 1)] for i, r in enumerate(d["runs"])]
+    out += table(["run", "implementation", "median s", "min s", "n", "peak RSS MiB"], rows)
+    out += ["", f"Outputs identical: {d.get('same_output')}; ratio of the best medians ours / upstream "
+                f"{f_ratio(d.get('ratio_ours_over_upstream'))} (process-to-process spread on this VM is larger than the difference)."]
+    return out
+
+
 SECTIONS = (
     ("H3 native forward", t_native),
+    ("H3 native forward on CPU", t_cpu_native),
     ("H3 accuracy and step profile", t_accuracy_profile),
     ("H3 native forward before cuDNN-first", t_native_baseline),
     ("sequence-parallel scaling", t_scaling),
