@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 POLL = 0.1
 STACK_DUMP_WAIT = 0.3
+# how long a worker's op error waits for a peer's death to show (the same grace rank 0 gives its own errors)
+FOLLOW_ON_GRACE = 0.5
 _EXPECTED = {"spawned": "connected", "connected": "ready", "ready": "result"}
 _STATUSES = ("ok", "cancelled", "mismatch", "error")
 
@@ -180,12 +182,28 @@ class Monitor:
                 self.inbox.setdefault(w.rank, {})[m.kind] = m
             self._cond.notify_all()
         if m.kind == "result" and m.body["status"] == "error":
+            # a peer's death reaches the other workers as a transport error in their collective, often
+            # before its exit is reaped here: a worker that died meanwhile is the cause, not this report
+            dead = self._dead_peer(w, FOLLOW_ON_GRACE)
+            if dead is not None:
+                self._on_exit(dead)
             e = m.body.get("error") or {}
             g._record_fault(ParallelOpError(
                 f"op {op.name!r} (id {op.id}) raised {e.get('type', 'an error')} on worker rank {w.rank}: {e.get('message', '')}",
                 rank=w.rank, remote_traceback=e.get("traceback", ""), log_path=w.log_path,
                 hint="fix the op or its inputs; after a failure on some ranks collectives may be out of step, so "
                      + RESTART_HINT))
+
+    def _dead_peer(self, reporter, grace):
+        """A worker other than ``reporter`` that exits within ``grace`` seconds, else None."""
+        end = time.monotonic() + grace
+        while True:
+            for w in self._group._workers:
+                if w is not reporter and not w.exit_handled and w.poll() is not None:
+                    return w
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.02)
 
     def _on_exit(self, w):
         code = w.wait(2.0)
