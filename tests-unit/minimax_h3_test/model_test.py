@@ -70,8 +70,12 @@ def test_block_patch_and_sigma_shift_reach_the_forward():
     x, t, c, p = step_inputs(cfg, "t2va")
     patched = model(x, t, c, {"patches_replace": {"dit": {("double_block", 1): patch}}}, minimax_payload=p)
     assert calls == [7 + 2 * 5 + 3 * 3 * 4] and not torch.allclose(patched[0], base[0])
-    shifted = model(x, t, c, {"minimax_h3_sigma_shift_audio": 5.0}, minimax_payload=p)
-    assert torch.equal(shifted[0].isnan(), base[0].isnan()) and not torch.allclose(shifted[1], base[1])
+    opts = {"minimax_h3_sigma_shift_audio": 5.0}
+    shifted = model(x, t, c, opts, minimax_payload=p)
+    assert not torch.allclose(shifted[1], base[1])
+    # the override moves the audio stream's timestep only
+    plans = [model.plan(x[0], tuple(x[0].shape[2:]), x[1], t, c, o, p).timesteps for o in ({}, opts)]
+    assert plans[0].t_video == plans[1].t_video and plans[0].t_audio != plans[1].t_audio
 
 
 def test_checkpoint_round_trip_missing_keys_and_hash(tmp_path):

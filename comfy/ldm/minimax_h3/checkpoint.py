@@ -63,6 +63,12 @@ def _prefix(keys):
                      f"{[p for p in KEY_PREFIXES if p]} or at the top level")
 
 
+def _header(f):
+    """(key prefix, {stripped key: shape}) of an open safetensors file, from its header only."""
+    prefix = _prefix(set(f.keys()))
+    return prefix, {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith(prefix)}
+
+
 def load_checkpoint(path, dtype=torch.bfloat16, device="cpu", operations=None, sha256=None, config=None):
     """A frozen MiniMaxH3Model with every tensor of the checkpoint at `path` loaded strictly."""
     if sha256 is not None:
@@ -71,9 +77,7 @@ def load_checkpoint(path, dtype=torch.bfloat16, device="cpu", operations=None, s
             raise ValueError(f"checkpoint {path} has sha256 {found}, expected {sha256}: the file changed since the "
                              "LoaderSpec was made; rebuild the spec from the file the main process loaded")
     with safe_open(path, framework="pt", device="cpu") as f:
-        prefix = _prefix(set(f.keys()))
-        keys = [k for k in f.keys() if k.startswith(prefix)]
-        shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in keys}
+        prefix, shapes = _header(f)
         cfg = dict(config) if config is not None else detect_config(shapes)
         model = MiniMaxH3Model(**cfg, dtype=dtype, device=device, operations=operations)
         want = model.state_dict()
@@ -107,8 +111,7 @@ class LoaderSpec:
     @classmethod
     def for_file(cls, path, dtype="bfloat16"):
         with safe_open(path, framework="pt", device="cpu") as f:
-            prefix = _prefix(set(f.keys()))
-            shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith(prefix)}
+            _, shapes = _header(f)
         return cls(path=str(path), sha256=file_sha256(path), config=detect_config(shapes), dtype=dtype)
 
     def to_json(self):

@@ -101,7 +101,7 @@ class PackedLayout:
         frame, w_axis = frame_grid(latent_h, latent_w)
         target_audio_w = (float(w_axis[0]), float(w_axis[-1]))
         self._kinds, self._pos = [], []
-        self.add("text", text_positions(text_len))
+        self._add("text", text_positions(text_len))
 
         # refs pack between text and the targets, so the target timeline starts after their spans
         target_origin = float(text_len)
@@ -113,9 +113,9 @@ class PackedLayout:
         for kf in keyframes or ():
             cond_t = target_origin + FRAME_RESCALE * kf["resolved_frame_index"]
             if kf.get("latent") is not None:
-                self.add("cond", video_positions(kf["latent"].shape[2], frame, cond_t))
+                self._add("cond", video_positions(kf["latent"].shape[2], frame, cond_t))
             if kf.get("audio_latent") is not None:
-                self.add("cond_audio", audio_positions(cond_t, kf["audio_latent"].shape[-1], *target_audio_w))
+                self._add("cond_audio", audio_positions(cond_t, kf["audio_latent"].shape[-1], *target_audio_w))
 
         cursor = float(text_len)
         for blk in refs:
@@ -125,25 +125,25 @@ class PackedLayout:
                 g = torch.empty(r_frame.shape[0], 3, dtype=torch.float64)
                 g[:, 0] = cursor
                 g[:, 1:] = r_frame
-                self.add("ref_img", g)
+                self._add("ref_img", g)
             elif kind == "audio":
                 if blk["ref_audio_t"] > 0:
-                    self.add("ref_audio", audio_positions(cursor, blk["ref_audio_t"], *target_audio_w))
+                    self._add("ref_audio", audio_positions(cursor, blk["ref_audio_t"], *target_audio_w))
             else:
                 # the block's audio rows pack immediately before its video rows, both at the cursor
                 r_frame, r_w_axis = frame_grid(blk["latent_h"], blk["latent_w"])
                 if blk["ref_audio_t"] > 0:
-                    self.add("ref_audio", audio_positions(cursor, blk["ref_audio_t"], float(r_w_axis[0]), float(r_w_axis[-1])))
-                self.add("ref_img", video_positions(blk["latent_t"], r_frame, cursor))
+                    self._add("ref_audio", audio_positions(cursor, blk["ref_audio_t"], float(r_w_axis[0]), float(r_w_axis[-1])))
+                self._add("ref_img", video_positions(blk["latent_t"], r_frame, cursor))
             cursor += ref_t_span(blk)
 
         # target audio then target video, always the last two segments
-        self.add("audio", audio_positions(cursor, audio_t, *target_audio_w))
-        self.add("video", video_positions(latent_t, frame, cursor))
+        self._add("audio", audio_positions(cursor, audio_t, *target_audio_w))
+        self._add("video", video_positions(latent_t, frame, cursor))
         self._finish()
         self.signature = (text_len, latent_t, latent_h, latent_w, audio_t)
 
-    def add(self, kind, positions):
+    def _add(self, kind, positions):
         self._kinds.append((kind, positions.shape[0]))
         self._pos.append(positions)
 

@@ -100,8 +100,8 @@ class MiniMaxH3Model(nn.Module):
         scale = float((minimax_payload or {}).get("audio_scale", 1.0))
         audio_src = x[1]
         if scale != 1.0:
-            _, sigma_a = audio_carry(timestep, *sigma_shifts(transformer_options, self.sigma_shift_video, self.sigma_shift_audio))
-            carry = (sigma_a / video_sigma(timestep)).to(audio_src.dtype)
+            sigma_v, sigma_a = audio_carry(timestep, *sigma_shifts(transformer_options, self.sigma_shift_video, self.sigma_shift_audio))
+            carry = (sigma_a / sigma_v).to(audio_src.dtype)
             x = [x[0], audio_src * carry]
         out = kernels.run_with_wrappers(self._forward, self, transformer_options,
                                         x, timestep, context, transformer_options, minimax_payload=minimax_payload, **kwargs)
@@ -127,7 +127,7 @@ class MiniMaxH3Model(nn.Module):
         self.check_inputs(video_x, audio_x, context)
         shifts = sigma_shifts(transformer_options, self.sigma_shift_video, self.sigma_shift_audio)
         return ForwardPlan.build(video_x.shape, orig_thw, audio_x.shape, context.shape, float(video_sigma(timestep)), shifts,
-                                 payload, self.model_key, self.hidden_size, text_tags=payload.get("text_token_tags"))
+                                 payload, self.model_key, self.hidden_size)
 
     def check_inputs(self, video_x, audio_x, context):
         if video_x.shape[0] != 1 or audio_x.shape[0] != 1 or context.shape[0] != 1:

@@ -47,8 +47,7 @@ class ForwardPlan:
     model_key: str              # config + dtype of the model that built it
 
     @classmethod
-    def build(cls, video_shape, orig_thw, audio_shape, context_shape, sigma, shifts, payload, model_key, hidden_size,
-              text_tags=None):
+    def build(cls, video_shape, orig_thw, audio_shape, context_shape, sigma, shifts, payload, model_key, hidden_size):
         _, _, lt, lh, lw = video_shape
         audio_t, text_len = audio_shape[-1], context_shape[1]
         layout = payload.get("layout")
@@ -62,7 +61,7 @@ class ForwardPlan:
         aa, ab = layout.segment("audio")
         return cls(layout=layout, latent_thw=(lt, lh, lw), orig_thw=tuple(orig_thw), audio_t=audio_t, text_len=text_len,
                    refine_text=context_shape[-1] != hidden_size, sigma=float(sigma), timesteps=ts,
-                   mod_segments=tuple(mod_segments(layout, ts, text_tags)),
+                   mod_segments=tuple(mod_segments(layout, ts, payload.get("text_token_tags"))),
                    video_seg=(va, vb, ts.t_row[ts.t_video]), audio_seg=(aa, ab, ts.t_row[ts.t_audio]),
                    vis_aug=vis_aug, aud_aug=aud_aug, seed=int(payload.get("seed", 0)), model_key=model_key)
 

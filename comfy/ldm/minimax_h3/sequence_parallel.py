@@ -81,7 +81,6 @@ class SequenceParallel:
         self.apply_on_rank0 = apply_on_rank0
         self.group = ParallelGroup(name, log_dir=log_dir, timeouts=timeouts)
         self.synced = None  # PatchSnapshot every rank acked
-        self._lock = threading.Lock()
 
     @property
     def world_size(self):

@@ -20,7 +20,7 @@ REAL_CONFIG = {"hidden_size": 5376, "num_layers": 50, "token_refiner_num_layers"
                "attention_head_dim": 128, "ffn_hidden_size": 14336, "text_dim": 5120}
 
 
-def random_state_dict(model, seed=0, table_grid=None):
+def random_state_dict(model, seed=0):
     """Random weights for every tensor of `model` (fan-in scaled, so activations stay O(1))."""
     gen = torch.Generator("cpu").manual_seed(seed)
     out = {}
