@@ -28,6 +28,7 @@ from comfy.ldm.minimax_h3.conditioning import time_shift_sigma  # noqa: E402
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model  # noqa: E402
 from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel  # noqa: E402
 from comfy.ldm.minimax_h3.synthetic import SyntheticPatcher, random_state_dict, step_inputs  # noqa: E402
+from comfy.ldm.minimax_h3.ulysses import DEFAULT_CHUNKS  # noqa: E402
 
 SMALL_CONFIG = {"hidden_size": 256, "num_layers": 6, "token_refiner_num_layers": 1, "num_attention_heads": 8,
                 "attention_head_dim": 32, "ffn_hidden_size": 512, "text_dim": 192, "timestep_input_dim": 64,
@@ -77,6 +78,7 @@ def main():
     ap.add_argument("--width", type=int, default=24)
     ap.add_argument("--text-len", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS, help="all-to-all pipeline depth (head chunks per rank)")
     ap.add_argument("--out-dir", default="out")
     args = ap.parse_args()
 
@@ -108,7 +110,7 @@ def main():
     del reference
 
     rank0 = spec.load(device=dev)
-    sp = SequenceParallel(devices, spec, apply_on_rank0=True, log_dir=os.path.join(args.out_dir, "logs"))
+    sp = SequenceParallel(devices, spec, apply_on_rank0=True, log_dir=os.path.join(args.out_dir, "logs"), chunks=args.chunks)
     try:
         t0 = time.perf_counter()
         sp.ensure_started(rank0)
@@ -123,7 +125,7 @@ def main():
 
     rel = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(sharded, single)]
     ok = max(rel) <= TOLERANCE
-    result = {"ranks": args.ranks, "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
+    result = {"ranks": args.ranks, "chunks": args.chunks, "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
               "steps": args.steps, "tokens": tokens, "dtype": args.dtype, "kind": args.kind, "config": cfg,
               "lora_keys": snap.key_count, "patch_version": list(snap.version),
               "single_step_s": sorted(single_steps)[len(single_steps) // 2],

@@ -14,14 +14,14 @@ from h3_cases import plan_for, tiny_model
 CASES = [(kind, None) for kind in INPUT_KINDS] + [("t2va", 9), ("refs_all", 9)]
 
 
-def _parity(rank, world, dtype="float32", cases=None, shapes=((5, 7), (6, 8)), overrides=None):
+def _parity(rank, world, dtype="float32", cases=None, shapes=((5, 7), (6, 8)), overrides=None, chunks=2):
     dt = getattr(torch, dtype)
     report = []
     for kind, curve in cases or CASES:
         model, cfg = tiny_model(dtype=dt, curve=curve, **(overrides or {}))
         for height, text_len in shapes:  # odd latent height (padded) and odd/even sequence lengths
             plan, (video, audio, c, p), (x, t, _, _) = plan_for(model, cfg, kind, height=height, text_len=text_len)
-            v, a = sharded_forward(model, plan, rank, world, video, audio, c, p, {})
+            v, a = sharded_forward(model, plan, rank, world, video, audio, c, p, {}, chunks=chunks)
             if rank == 0:
                 native = model(x, t, c, {}, minimax_payload=p)
                 sharded = model.unpack(plan, v, a, video.dtype, audio.dtype)
@@ -45,6 +45,38 @@ def test_sharded_matches_native_bf16(run_ranks):
     report = run_ranks(_parity, 3, kwargs={"dtype": "bfloat16", "cases": [["keyframes", None]], "shapes": [[5, 7]]},
                        timeout=120)[0]
     assert report[0][4] <= 2e-2
+
+
+@pytest.mark.parametrize("world,chunks", [(2, 1), (3, 2), (2, 4)])
+def test_pipelined_chunks_match_native(run_ranks, world, chunks):
+    # 8 heads: N=3 gives ranks 3/3/2 heads, so chunks=2 cuts them unevenly (2+1, 2+1, 1+1); N=2, chunks=4 is 1 head each
+    overrides = {"num_attention_heads": 8, "attention_head_dim": 8, "rope_inv_freq_len": 1}
+    report = run_ranks(_parity, world, kwargs={"cases": [["refs_all", 9]], "overrides": overrides, "chunks": chunks},
+                       timeout=120)[0]
+    for kind, curve, height, seq, err in report:
+        assert err <= 1e-5, f"{kind} chunks={chunks} height={height} S={seq}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("heads,world,chunks,expect", [(56, 8, 2, 2), (56, 8, 16, 7), (8, 3, 2, 2), (4, 3, 2, 1)])
+def test_chunk_heads_cover_every_head_in_order(heads, world, chunks, expect):
+    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+    model, cfg = tiny_model()
+    plan, _, _ = plan_for(model, cfg)
+    for rank in range(world):
+        sp = UlyssesAttention(plan.shard(world, rank, heads), heads, 8, chunks=chunks)
+        assert sp.chunks == expect
+        # concatenation order of attention() (rank-major, then chunk) must be the global head order
+        order = [sp.chunk_heads[c][j] for j in range(world) for c in range(sp.chunks)]
+        assert [h for a, b in order for h in range(a, b)] == list(range(heads))
+        assert all(b > a for ranges in sp.chunk_heads for a, b in ranges)
+
+
+def test_chunks_must_be_positive():
+    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+    model, cfg = tiny_model()
+    plan, _, _ = plan_for(model, cfg)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        UlyssesAttention(plan.shard(2, 0, 4), 4, 16, chunks=0)
 
 
 def test_block_patches_are_refused_when_sharded():

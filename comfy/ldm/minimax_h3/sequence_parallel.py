@@ -19,7 +19,7 @@ from comfy.parallel import ParallelCancelled, ParallelGroup, register_op
 
 from .checkpoint import LoaderSpec
 from .step_io import decode_step, encode_step
-from .ulysses import sharded_forward
+from .ulysses import DEFAULT_CHUNKS, sharded_forward
 
 OP_FORWARD = "minimax_h3.forward"
 OP_PATCHES = "minimax_h3.patches"
@@ -66,16 +66,20 @@ def forward_op(ctx, tensors, meta):
     ctx.preflight(_digest(plan, tuple(ctx.state["patch_version"])))
     with torch.no_grad():
         v, a = sharded_forward(model, plan, ctx.rank, ctx.world_size, video, audio, context, payload, options,
-                               group=ctx.data_group)
+                               group=ctx.data_group, chunks=meta["chunks"])
     return ({"video": v, "audio": a} if ctx.rank == 0 else {}), {}
 
 
 class SequenceParallel:
     """Rank 0's handle on the ranks running one H3 model; see the module docstring."""
 
-    def __init__(self, devices, loader_spec, timeouts=None, log_dir=None, apply_on_rank0=False, name="minimax_h3"):
+    def __init__(self, devices, loader_spec, timeouts=None, log_dir=None, apply_on_rank0=False, name="minimax_h3",
+                 chunks=DEFAULT_CHUNKS):
         if len(devices) < 2:
             raise ValueError(f"sequence parallelism needs at least 2 devices, got {devices}; use the model directly on one")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks (all-to-all pipeline depth) must be an integer >= 1, got {chunks!r}")
+        self.chunks = chunks
         self.devices = list(devices)
         self.loader_spec = loader_spec
         self.apply_on_rank0 = apply_on_rank0
@@ -116,7 +120,7 @@ class SequenceParallel:
             raise snapshots.SnapshotNotAcked("no patch snapshot has been synced to the sequence-parallel ranks; "
                                              "call sync() (the node does this before sampling) before running steps")
         tensors, step = encode_step([video_x, audio_x], timestep, context, payload, transformer_options)
-        meta = {"step": step, "orig_thw": list(plan.orig_thw)}
+        meta = {"step": step, "orig_thw": list(plan.orig_thw), "chunks": self.chunks}
         with _cancel_on_interrupt(self.group):
             result = self.group.run(OP_FORWARD, tensors, meta)
         return result.tensors["video"], result.tensors["audio"]

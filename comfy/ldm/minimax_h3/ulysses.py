@@ -8,6 +8,8 @@ padding row ever exists, let alone acts as a key:
   packed q|k|v   [s_r, 3, H, D]   --all_to_all-->  [S, 3, h_r, D]   (S = sum of s_i)
   attention out  [S, h_r * D]     --all_to_all-->  [s_r, H * D]
 
+Both are cut by head into pipelined chunks so transfers overlap attention (UlyssesAttention).
+
 With one rank nothing here is called: the model runs its native path.
 """
 
@@ -15,13 +17,25 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from .plan import balanced_ranges
 from .step_io import check_replicable_options
 
 
-class UlyssesAttention:
-    """All-to-all attention over `group` for the rows and heads a ShardPlan assigns."""
+# Pipeline depth of the attention all-to-alls (UlyssesAttention's `chunks`); see bench/results/h3_h200_overlap.json.
+DEFAULT_CHUNKS = 2
 
-    def __init__(self, shard, heads, head_dim, group=None):
+
+class UlyssesAttention:
+    """All-to-all attention over `group` for the rows and heads a ShardPlan assigns.
+
+    With ``chunks`` > 1 every rank's heads are cut into that many balanced sub-ranges and the
+    exchange is pipelined per chunk: chunk c+1's q|k|v all-to-all and chunk c-1's output
+    all-to-all are in flight while chunk c's attention runs, so only the first chunk's input and
+    the last chunk's output transfer stay on the critical path. Collectives are issued in the same
+    order on every rank (``chunks`` is a step-wide setting), as NCCL requires.
+    """
+
+    def __init__(self, shard, heads, head_dim, group=None, chunks=1):
         self.group = group
         self.rank = shard.rank
         self.world_size = shard.world_size
@@ -31,40 +45,62 @@ class UlyssesAttention:
         self.heads = [b - a for a, b in shard.head_ranges]
         if sum(self.heads) != heads:
             raise ValueError(f"ShardPlan splits {sum(self.heads)} heads but the model has {heads}; build it with heads={heads}")
+        if chunks < 1:
+            raise ValueError(f"all-to-all pipeline chunks must be >= 1, got {chunks}")
+        self.chunks = min(chunks, min(self.heads))  # every chunk holds >= 1 head on every rank
+        # chunk_heads[c][j]: the global head range of rank j's chunk c
+        cuts = [balanced_ranges(b - a, self.chunks) for a, b in shard.head_ranges]
+        self.chunk_heads = [[(a + cuts[j][c][0], a + cuts[j][c][1]) for j, (a, _) in enumerate(shard.head_ranges)]
+                            for c in range(self.chunks)]
 
     def pack_heads(self, qkv):
-        """[s_r, 3, H, D] -> flat [rank 0's heads | rank 1's heads | ...], each [s_r, 3, h_j, D]: one copy."""
+        """[s_r, 3, H, D] -> flat, chunk-major then rank-major, each piece [s_r, 3, h_jc, D]: one copy."""
         s_r, d = qkv.shape[0], self.head_dim
         send = torch.empty(qkv.numel(), dtype=qkv.dtype, device=qkv.device)
         off = 0
-        for a, b in self.head_ranges:
-            n = s_r * 3 * (b - a) * d
-            send[off:off + n].view(s_r, 3, b - a, d).copy_(qkv[:, :, a:b])
-            off += n
+        for ranges in self.chunk_heads:
+            for a, b in ranges:
+                n = s_r * 3 * (b - a) * d
+                send[off:off + n].view(s_r, 3, b - a, d).copy_(qkv[:, :, a:b])
+                off += n
         return send
 
-    def heads_to_seq(self, qkv):
-        """[s_r, 3, H, D] rows of all heads -> [S, 3, h_r, D] all rows of this rank's heads."""
-        d, s_r, h_r = self.head_dim, self.rows[self.rank], self.heads[self.rank]
-        send = self.pack_heads(qkv)
-        recv = torch.empty(sum(self.rows) * 3 * h_r * d, dtype=qkv.dtype, device=qkv.device)
-        dist.all_to_all_single(recv, send, output_split_sizes=[s * 3 * h_r * d for s in self.rows],
-                               input_split_sizes=[s_r * 3 * h * d for h in self.heads], group=self.group)
-        return recv.view(-1, 3, h_r, d)
-
-    def seq_to_heads(self, out):
-        """[S, h_r * D] all rows of this rank's heads -> [s_r, H * D] this rank's rows of all heads."""
-        d, s_r, h_r = self.head_dim, self.rows[self.rank], self.heads[self.rank]
-        recv = torch.empty(s_r * sum(self.heads) * d, dtype=out.dtype, device=out.device)
-        dist.all_to_all_single(recv, out.contiguous().view(-1), output_split_sizes=[s_r * h * d for h in self.heads],
-                               input_split_sizes=[s * h_r * d for s in self.rows], group=self.group)
-        return torch.cat([c.view(s_r, -1) for c in recv.split([s_r * h * d for h in self.heads])], dim=1)
+    def _a2a(self, recv, send, out_splits, in_splits):
+        return dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                      group=self.group, async_op=True)
 
     def attention(self, qkv, transformer_options):
         """[s_r, 3, H, D] normed + roped local q|k|v -> [s_r, H * D] attention output."""
-        full = self.heads_to_seq(qkv)
-        out = kernels.attention(full[:, 0], full[:, 1], full[:, 2], self.heads[self.rank], transformer_options)
-        return self.seq_to_heads(out)
+        d, s_r, me = self.head_dim, self.rows[self.rank], self.rank
+        send = self.pack_heads(qkv)
+        sizes = [[b - a for a, b in ranges] for ranges in self.chunk_heads]  # sizes[c][j]: heads of rank j in chunk c
+        offsets = [0]
+        for c in range(self.chunks):
+            offsets.append(offsets[-1] + s_r * 3 * sum(sizes[c]) * d)
+
+        def start_in(c):
+            h = sizes[c][me]
+            recv = torch.empty(sum(self.rows) * 3 * h * d, dtype=qkv.dtype, device=qkv.device)
+            work = self._a2a(recv, send[offsets[c]:offsets[c + 1]], [s * 3 * h * d for s in self.rows],
+                             [s_r * 3 * hj * d for hj in sizes[c]])
+            return work, recv.view(-1, 3, h, d)
+
+        pending = start_in(0)
+        outs = []
+        for c in range(self.chunks):
+            work, full = pending
+            if c + 1 < self.chunks:
+                pending = start_in(c + 1)  # next chunk's input travels while this chunk computes
+            work.wait()
+            h = sizes[c][me]
+            out = kernels.attention(full[:, 0], full[:, 1], full[:, 2], h, transformer_options).contiguous()
+            recv = torch.empty(s_r * sum(sizes[c]) * d, dtype=out.dtype, device=out.device)
+            outs.append((self._a2a(recv, out.view(-1), [s_r * hj * d for hj in sizes[c]], [s * h * d for s in self.rows]),
+                         recv.split([s_r * hj * d for hj in sizes[c]])))
+        for work, _ in outs:
+            work.wait()
+        # global head order is rank-major, then chunk: [rank 0 chunk 0 | rank 0 chunk 1 | ... | rank 1 chunk 0 | ...]
+        return torch.cat([outs[c][1][j].view(s_r, -1) for j in range(self.world_size) for c in range(self.chunks)], dim=1)
 
 
 def gather_targets(shard, video_rows, audio_rows, dst=0, group=None):
@@ -89,10 +125,15 @@ def gather_targets(shard, video_rows, audio_rows, dst=0, group=None):
     return torch.cat(video), torch.cat(audio)
 
 
-def sharded_forward(model, plan, rank, world_size, video_x, audio_x, context, payload, transformer_options, group=None):
-    """This rank's part of one step; returns the full (video, audio) target rows on rank 0, else (None, None)."""
+def sharded_forward(model, plan, rank, world_size, video_x, audio_x, context, payload, transformer_options, group=None,
+                    chunks=DEFAULT_CHUNKS):
+    """This rank's part of one step; returns the full (video, audio) target rows on rank 0, else (None, None).
+
+    `chunks`: heads per rank are exchanged in this many pipelined pieces (see UlyssesAttention); it
+    must be the same on every rank.
+    """
     check_replicable_options(transformer_options)
     shard = plan.shard(world_size, rank, model.num_heads)
-    sp = UlyssesAttention(shard, model.num_heads, model.config["attention_head_dim"], group=group)
+    sp = UlyssesAttention(shard, model.num_heads, model.config["attention_head_dim"], group=group, chunks=chunks)
     v, a = model.run(plan, shard, video_x, audio_x, context, payload, transformer_options, seq_parallel=sp)
     return gather_targets(shard, v, a, group=group)
