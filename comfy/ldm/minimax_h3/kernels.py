@@ -61,14 +61,15 @@ def in_training():
 
 
 def attention(q, k, v, heads, transformer_options):
-    """[S, h, D] q, k, v (any strides) -> [S, h*D]; no mask, every row is a key."""
+    """[S, h, D] q, k, v (any strides, never modified) -> [S, h*D]; no mask, every row is a key."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, D]
     if _own_sdpa(q, transformer_options):
         with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
             out = F.scaled_dot_product_attention(q, k, v)
         return out.transpose(1, 2).reshape(q.shape[2], heads * q.shape[3])
     if IN_COMFYUI:
-        out = optimized_attention(AttentionTensorContainer(q), AttentionTensorContainer(k), AttentionTensorContainer(v),
+        # ComfyUI's backends may take ownership of the containers' tensors: v gets its own storage, as upstream does
+        out = optimized_attention(AttentionTensorContainer(q), AttentionTensorContainer(k), AttentionTensorContainer(v.clone()),
                                   heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
         return out.squeeze(0)
     out = F.scaled_dot_product_attention(q, k, v)  # [1, h, S, D]
@@ -85,6 +86,19 @@ def rms_rope_(q, k, rope, q_weight, k_weight, eps):
         return _ck.rms_rope_split_half(q, k, rope, q_weight, k_weight, epsilon=eps, rot_dim=rot)
     _ck.rms_rope_split_half_(q, k, rope, q_weight, k_weight, epsilon=eps, rot_dim=rot)
     return q, k
+
+
+def fused_adaln(x):
+    """Whether RMSNorm + adaLN modulation run as one fused kernel for x (CUDA inference).
+
+    Elsewhere the unfused ops run, which keeps CPU outputs bit-identical to upstream's model.
+    """
+    return x.is_cuda and not in_training()
+
+
+def rms_adaln(x, scale, shift, eps):
+    """rmsnorm(x) * (1 + scale) + shift (no norm weight), comfy_kitchen's fused kernel -> new tensor."""
+    return _ck.rms_adaln(x, scale, shift, eps=eps)
 
 
 def swiglu_linear(linear, x):

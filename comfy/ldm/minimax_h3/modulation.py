@@ -4,6 +4,8 @@ Segments are global on a ForwardPlan and rebased to local row coordinates on a S
 below only ever see local segments, so they are the same for native and sharded runs.
 """
 
+from . import kernels
+
 
 def clip_segments(segments, start, stop):
     """Segments intersected with rows [start, stop) and rebased so that row `start` becomes 0."""
@@ -27,3 +29,26 @@ def mod_gate(x, gate, other, segments):
     for a, b, row in segments:
         x[a:b].addcmul_(other[a:b], gate[row].to(x.dtype))
     return x
+
+
+def norm_scale_shift(norm, x, shift, scale, segments):
+    """mod_scale_shift(norm(x), shift, scale, segments) as a new tensor, for an RMSNorm `norm`.
+
+    Where kernels.fused_adaln(x) holds, one comfy_kitchen RMSNorm+adaLN pass over all rows with the
+    largest segment's modulation, then the other segments' rows redone with theirs, replaces the
+    norm and two broadcast passes over every row. The norm weight is folded into the scale:
+    rmsnorm(x) * w * (1 + s) + b == rmsnorm(x) * (1 + (w * (1 + s) - 1)) + b.
+    """
+    covered = sum(b - a for a, b, _ in segments) == x.shape[0]
+    if not kernels.fused_adaln(x) or not covered or getattr(norm, "eps", None) is None or norm.weight is None:
+        return mod_scale_shift(norm(x), shift, scale, segments)
+    # every mod row folded at once (a handful of [M, hidden] kernels; per-row folding costs launches that show at small shards)
+    w = kernels.cast_to(norm.weight, x.device).float()
+    scale = (w * (1.0 + scale.float()) - 1.0).to(x.dtype)
+    shift = shift.to(x.dtype)
+    big = max(segments, key=lambda seg: seg[1] - seg[0])[2]
+    out = kernels.rms_adaln(x, scale[big], shift[big], norm.eps)
+    for a, b, row in segments:
+        if row != big:
+            out[a:b] = kernels.rms_adaln(x[a:b], scale[row], shift[row], norm.eps)
+    return out

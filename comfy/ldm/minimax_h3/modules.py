@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from . import kernels
-from .modulation import mod_gate, mod_scale_shift
+from .modulation import mod_gate, norm_scale_shift
 
 
 class TimeEmbedder(nn.Module):
@@ -59,7 +59,7 @@ class Attention(nn.Module):
                 qkv = torch.stack([q, k, v.view(s, heads, dim)], dim=1)
             out = seq_parallel.attention(qkv.view(s, 3, heads, dim), transformer_options)
         else:
-            out = kernels.attention(q, k, v.view(s, heads, dim).clone(), heads, transformer_options)
+            out = kernels.attention(q, k, v.view(s, heads, dim), heads, transformer_options)
         return self.out_proj(out)
 
 
@@ -132,10 +132,10 @@ class DiTBlock(nn.Module):
 
     def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, seq_parallel=None):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
-        h = mod_scale_shift(self.norm1(x), shift_msa, scale_msa, mod_segments)
+        h = norm_scale_shift(self.norm1, x, shift_msa, scale_msa, mod_segments)
         attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options, seq_parallel=seq_parallel)
         x = mod_gate(x, gate_msa, attn, mod_segments)
-        h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, mod_segments)
+        h = norm_scale_shift(self.norm2, x, shift_mlp, scale_mlp, mod_segments)
         return mod_gate(x, gate_mlp, self.mlp(h), mod_segments)
 
 
