@@ -7,6 +7,12 @@ are assigned into ours), so a 62 GiB model fits once. Results: JSON (one file, r
 every section so a timeout still leaves what was measured).
 
   python bench/h3_gpu.py --out bench/results/h3_h200.json [--sections native,shard,kernels,profile]
+
+The committed results came from (one H200, trimmed base on COMFYUI_DIR, kitchen/aimdo wheels on PYTHONPATH):
+  --sections native,kernels                          -> bench/results/h3_h200.json
+  --sections overlap,fusions,accuracy,profile        -> bench/results/h3_h200_accuracy_profile.json
+  --layers 2 --sections overlap                      -> bench/results/h3_h200_overlap.json (via bench/h3_overlap_log.py)
+The overlap section uses blocks[0] only, so --layers 2 measures it at full block size with a fast start.
 """
 
 import argparse
@@ -89,10 +95,10 @@ def inputs(res, seed=0):
     return [video, audio], t, context
 
 
-def section_native(res_list, theirs, ours, out):
+def section_native(res_list, theirs, ours, out, save=lambda: None):
     import comfy.ldm.minimax.model as upstream
     from comfy.ldm.minimax_h3.layout import PackedLayout
-    rows = {}
+    rows = out["native"] = {}
     for res in res_list:
         x, t, c = inputs(res)
         sig = (c.shape[1], x[0].shape[2], x[0].shape[3], x[0].shape[4], x[1].shape[-1])
@@ -119,13 +125,17 @@ def section_native(res_list, theirs, ours, out):
                       "output_max_abs": max(float(u.float().abs().max()) for u in a)}
             del a, a2, b, b_flash
             runs = (("upstream", theirs, pt, cudnn_first), ("ours", ours, po, cudnn_first), ("ours_flash", ours, po, flash_first),
-                    ("upstream_2", theirs, pt, cudnn_first), ("ours_2", ours, po, cudnn_first))
+                    ("ours_unfused_adaln", ours, po, cudnn_first), ("upstream_2", theirs, pt, cudnn_first),
+                    ("ours_2", ours, po, cudnn_first))
+            fused = kernels.fused_adaln
             for name, model, p, prio in runs:
                 kernels.SDPA_PRIORITY = prio
+                kernels.fused_adaln = (lambda x: False) if name == "ours_unfused_adaln" else fused
                 torch.cuda.reset_peak_memory_stats()
                 result[name] = cuda_time(lambda: model._forward(x, t, c, {}, minimax_payload=p))
                 result[name]["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             kernels.SDPA_PRIORITY = cudnn_first
+            kernels.fused_adaln = fused
             # the plan is pure CPU work done once per step on every rank
             plan_t = time.perf_counter()
             for _ in range(20):
@@ -136,11 +146,22 @@ def section_native(res_list, theirs, ours, out):
         result["ratio_ours_over_upstream"] = us / up
         rows[res] = result
         result["ratio_ours_flash_over_upstream"] = result["ours_flash"]["median_s"] / up
+        save()
         print(f"native {res}: S={result['tokens']} upstream {up:.3f}s ours {us:.3f}s ratio {us / up:.3f} "
-              f"(flash-first {result['ours_flash']['median_s']:.3f}s) peak {result['ours']['peak_gib']} GiB "
+              f"(flash-first {result['ours_flash']['median_s']:.3f}s, unfused adaLN {result['ours_unfused_adaln']['median_s']:.3f}s) peak {result['ours']['peak_gib']} GiB "
               f"rel diffs: run-to-run {result['rel_diff_upstream_run_to_run']:.2e} flash {result['rel_diff_ours_flash_vs_upstream']:.2e} "
               f"cudnn {result['rel_diff_ours_cudnn_vs_upstream']:.2e}", flush=True)
-    out["native"] = rows
+
+
+def _ulysses(world, seq, heads, dim, chunks=1, rank=0):
+    """A real UlyssesAttention (its head geometry and packing) for rank `rank` of an N-way shard."""
+    from types import SimpleNamespace
+
+    from comfy.ldm.minimax_h3.plan import balanced_ranges
+    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+    shard = SimpleNamespace(rank=rank, world_size=world, row_ranges=balanced_ranges(seq, world),
+                            head_ranges=balanced_ranges(heads, world))
+    return UlyssesAttention(shard, heads, dim, chunks=chunks)
 
 
 class _EmulatedShard:
@@ -148,13 +169,10 @@ class _EmulatedShard:
     attention over the largest head share, then the unpacking concat (collectives left out)."""
 
     def __init__(self, world, seq, heads, dim, device):
-        from comfy.ldm.minimax_h3.plan import balanced_ranges
-        from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
         self.world_size = world
         self.h = -(-heads // world)
         self.full = torch.randn(seq, 3, self.h, dim, device=device, dtype=torch.bfloat16)
-        self.real = UlyssesAttention.__new__(UlyssesAttention)
-        self.real.head_ranges, self.real.head_dim = balanced_ranges(heads, world), dim
+        self.real = _ulysses(world, seq, heads, dim)
 
     def attention(self, qkv, transformer_options):
         from comfy.ldm.minimax_h3 import kernels
@@ -162,6 +180,253 @@ class _EmulatedShard:
         out = kernels.attention(self.full[:, 0], self.full[:, 1], self.full[:, 2], self.h, transformer_options)
         s = qkv.shape[0]
         return torch.cat([out[:s]] * self.world_size, dim=1)[:, :qkv.shape[2] * qkv.shape[3]]
+
+
+def chunk_bytes(ulysses, c, elem=2):
+    """(in send, in recv, out send, out recv) bytes of rank `ulysses.rank` for chunk c of one block (bf16)."""
+    sizes = [b - a for a, b in ulysses.chunk_heads[c]]
+    me, d = ulysses.rank, ulysses.head_dim
+    s_r = ulysses.rows[me]
+    others_rows = sum(ulysses.rows) - s_r
+    mine, total = sizes[me], sum(sizes)
+    return (s_r * 3 * (total - mine) * d * elem, others_rows * 3 * mine * d * elem,
+            others_rows * mine * d * elem, s_r * (total - mine) * d * elem)
+
+
+def bytes_per_block(ulysses):
+    """Bytes one rank moves per block: each all-to-all counted as max(sent, received)."""
+    return sum(max(b[0], b[1]) + max(b[2], b[3]) for b in (chunk_bytes(ulysses, c) for c in range(ulysses.chunks)))
+
+
+def tokens(res):
+    from comfy.ldm.minimax_h3.layout import PackedLayout
+    h, w, f = RESOLUTIONS[res]
+    vs, as_ = latent_shapes(h, w, f)
+    return PackedLayout(TEXT_LEN, vs[2], vs[3], vs[4], as_[-1]).seq_len
+
+
+class _EmulatedComm:
+    """One all-to-all as seen by one rank, on a side stream standing in for NCCL's: it starts when
+    its input is ready (an event on the compute stream), writes the bytes this rank receives into
+    HBM (a device copy, the receive side's memory traffic), then idles until bytes / bandwidth +
+    latency has passed (torch.cuda._sleep). Not modelled: the SMs NCCL's kernels occupy."""
+
+    def __init__(self, bandwidth, latency_s):
+        self.stream = torch.cuda.Stream()
+        self.bandwidth, self.latency_s = bandwidth, latency_s
+        self.scratch = {}
+        t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t[0].record()
+        torch.cuda._sleep(20_000_000)
+        t[1].record()
+        torch.cuda.synchronize()
+        self.cycles_per_s = 20_000_000 / (t[0].elapsed_time(t[1]) / 1000)
+        self.copy_s = {}
+
+    def _copy_time(self, n):
+        if n not in self.copy_s:
+            a, b = self._buffers(n)
+            self.copy_s[n] = cuda_time(lambda: a.copy_(b), 2, 5)["median_s"]
+        return self.copy_s[n]
+
+    def _buffers(self, n):
+        if n not in self.scratch:
+            self.scratch[n] = (torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda"))
+        return self.scratch[n]
+
+    def prepare(self, sizes):
+        for n in sizes:
+            self._copy_time(n)
+
+    def start(self, send_bytes, recv_bytes):
+        """-> an event the consumer waits on."""
+        total = max(send_bytes, recv_bytes) / self.bandwidth + self.latency_s
+        idle = max(0.0, total - self._copy_time(recv_bytes))
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            a, b = self._buffers(recv_bytes)
+            a.copy_(b)
+            torch.cuda._sleep(int(idle * self.cycles_per_s))
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+
+class _PipelinedEmulation:
+    """UlyssesAttention.attention's schedule for rank 0 of an N-way shard on one GPU: real packing,
+    real attention per head chunk over the full sequence, and every all-to-all replaced by an
+    _EmulatedComm of the bytes that rank would send and receive, issued in the same order."""
+
+    def __init__(self, world, seq, heads, dim, chunks, comm):
+        self.world_size, self.seq, self.dim, self.comm = world, seq, dim, comm
+        self.real = _ulysses(world, seq, heads, dim, chunks=chunks)
+        self.chunks = self.real.chunks
+        self.s_r = self.real.rows[0]
+        self.sizes = [[b - a for a, b in r] for r in self.real.chunk_heads]
+        self.full = [torch.randn(seq, 3, sz[0], dim, device="cuda", dtype=torch.bfloat16) for sz in self.sizes]
+        if comm is not None:
+            comm.prepare(n for c in range(self.chunks) for n in self._bytes(c))
+
+    def _start(self, send_bytes, recv_bytes):
+        return None if self.comm is None else self.comm.start(send_bytes, recv_bytes)
+
+    def _bytes(self, c):
+        return chunk_bytes(self.real, c)
+
+    def bytes_per_block(self):
+        return bytes_per_block(self.real)
+
+    def attention(self, qkv, transformer_options):
+        from comfy.ldm.minimax_h3 import kernels
+        self.real.pack_heads(qkv)
+        cur = torch.cuda.current_stream()
+        pending = self._start(*self._bytes(0)[:2])
+        outs = []
+        for c in range(self.chunks):
+            ready = pending
+            if c + 1 < self.chunks:
+                pending = self._start(*self._bytes(c + 1)[:2])
+            if ready is not None:
+                cur.wait_event(ready)
+            full = self.full[c]
+            out = kernels.attention(full[:, 0], full[:, 1], full[:, 2], self.sizes[c][0], transformer_options).contiguous()
+            outs.append((self._start(*self._bytes(c)[2:]), out))
+        for done, _ in outs:
+            if done is not None:
+                cur.wait_event(done)
+        s = self.s_r
+        # the unpacking concat of UlyssesAttention (rank-major, then chunk) over pieces of the received size
+        pieces = [outs[c][1][:s, :self.sizes[c][j] * self.dim] for j in range(self.world_size) for c in range(self.chunks)]
+        return torch.cat(pieces, dim=1)
+
+
+def interleaved(fns, rounds=3, warmup=3, iters=10):
+    """{name: median over rounds of the per-round median}, the candidates measured round-robin so
+    that clock and thermal drift fall on all of them alike."""
+    per = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            per[k].append(cuda_time(fn, warmup=warmup, iters=iters, budget_s=1e9)["median_s"])
+    return {k: sorted(v)[len(v) // 2] for k, v in per.items()}
+
+
+OVERLAP_NOTE = ("one DiT block at real dims per rank (rank 0, S/N rows, ceil(56/N) heads); no_comm: the chunked schedule without "
+                "transfers; bwX: every all-to-all replaced by a side-stream stand-in issued in UlyssesAttention's order (a device "
+                "copy of the bytes received, then idle until max(sent, received) / X GB/s + latency); NCCL's own SM use is not "
+                "modelled; each time the median of {rounds} interleaved rounds of {repeat} blocks back to back (per block); "
+                "host_s: the host's time to issue one block (the GPU is host-bound when it is close to block_s)")
+
+
+def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 180e9), latency_s=20e-6, chunk_list=(1, 2, 4),
+                    repeat=8, rounds=3):
+    """Per-rank block time for each all-to-all pipeline depth: without communication (what chunking
+    costs the attention kernel) and with the all-to-alls emulated on a side stream."""
+    from comfy.ldm.minimax_h3.embedding import rope_rotation_table
+    from comfy.ldm.minimax_h3 import kernels
+    from comfy.ldm.minimax_h3.layout import PackedLayout
+    block = ours.blocks[0]
+    heads, dim, hidden = 56, 128, 5376
+    fused = kernels.fused_adaln
+    rows = {}
+    out["overlap_emulation"] = {"note": OVERLAP_NOTE.format(rounds=rounds, repeat=repeat), "latency_s_per_collective": latency_s,
+                                "resolutions": rows}
+    for res in res_list:
+        x, t, c = inputs(res)
+        seq = PackedLayout(c.shape[1], x[0].shape[2], x[0].shape[3], x[0].shape[4], x[1].shape[-1]).seq_len
+        t_emb = torch.randn(2, 2688, device="cuda", dtype=torch.bfloat16)
+        host = {}
+
+        def block_fn(s, sp, name, fuse=True):
+            # `repeat` blocks back to back per timed call, as in a step: the host may run ahead of the GPU
+            h = torch.randn(s, hidden, device="cuda", dtype=torch.bfloat16)
+            rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
+            mods = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)]
+
+            def fn():
+                kernels.fused_adaln = fused if fuse else (lambda x: False)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    for _ in range(repeat):
+                        block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp)
+                host.setdefault(name, []).append((time.perf_counter() - t0) / repeat)
+                kernels.fused_adaln = fused
+            return fn
+
+        def host_s(name):
+            v = sorted(host.pop(name))
+            return v[len(v) // 2]
+
+        base = interleaved({"native": block_fn(seq, None, "native")})["native"] / repeat
+        res_rows = {"1": {"block_s": base, "host_s": host_s("native")}}
+        comms = {int(bw / 1e9): _EmulatedComm(bw, latency_s) for bw in bandwidths}
+        for world in (2, 4, 8):
+            s = -(-seq // world)
+            fns = {"chunks1_no_comm_unfused_adaln": block_fn(s, _PipelinedEmulation(world, seq, heads, dim, 1, None),
+                                                             "chunks1_no_comm_unfused_adaln", fuse=False)}
+            for chunks in chunk_list:
+                if chunks > heads // world:
+                    continue
+                fns[f"chunks{chunks}_no_comm"] = block_fn(s, _PipelinedEmulation(world, seq, heads, dim, chunks, None),
+                                                           f"chunks{chunks}_no_comm")
+                for gbps, comm in comms.items():
+                    fns[f"chunks{chunks}_bw{gbps}"] = block_fn(s, _PipelinedEmulation(world, seq, heads, dim, chunks, comm),
+                                                               f"chunks{chunks}_bw{gbps}")
+            times = interleaved(fns, rounds=rounds, warmup=2, iters=6)
+            sample = _PipelinedEmulation(world, seq, heads, dim, 1, None)
+            w_rows = {"rows_per_rank": s, "a2a_bytes_per_block": sample.bytes_per_block(),
+                      "times": {k: {"block_s": v / repeat, "speedup": base / (v / repeat), "host_s": host_s(k)}
+                                for k, v in times.items()}}
+            res_rows[str(world)] = w_rows
+            print(f"overlap {res} N={world}: " + ", ".join(f"{k} x{v['speedup']:.3f} (host {v['host_s'] * 1e3:.2f} ms)"
+                                                         for k, v in w_rows["times"].items()), flush=True)
+            del fns, sample
+        rows[res] = {"tokens": seq, "native_block_s": base, "native_host_s": res_rows["1"]["host_s"], "worlds": res_rows}
+        print(f"overlap {res} native block {base * 1e3:.2f} ms (host {res_rows['1']['host_s'] * 1e3:.2f} ms)", flush=True)
+        del comms
+        save()
+
+
+def section_fusions(out, seq=15356, hidden=5376, ffn=14336):
+    """RMSNorm + adaLN modulation fused (comfy_kitchen rms_adaln) vs the unfused ops; what SwiGLU's
+    activation and v's copy cost."""
+    import torch.nn.functional as F
+
+    from comfy.ldm.minimax_h3 import kernels
+    from comfy.ldm.minimax_h3.modulation import mod_scale_shift, norm_scale_shift
+    g = torch.Generator("cuda").manual_seed(3)
+    x = torch.randn(seq, hidden, generator=g, device="cuda").bfloat16()
+    shift = (0.5 * torch.randn(3, hidden, generator=g, device="cuda")).bfloat16()
+    scale = (0.5 * torch.randn(3, hidden, generator=g, device="cuda")).bfloat16()
+    segments = [(0, 512, 1), (512, 700, 2), (700, seq, 0)]
+    norm = torch.nn.RMSNorm(hidden, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.2 * torch.randn(hidden, generator=g, device="cuda"))
+        row_scale, row_shift = scale[0], shift[0]
+        h = norm(x)
+        res = interleaved({
+            "norm_modulation_unfused_s": lambda: mod_scale_shift(norm(x), shift, scale, segments),
+            "norm_modulation_fused_s": lambda: norm_scale_shift(norm, x, shift, scale, segments),
+            "rms_norm_only_s": lambda: norm(x),
+            "mul_add_one_segment_s": lambda: h.mul_(1.0 + row_scale).add_(row_shift),
+            "addcmul_one_segment_s": lambda: torch.addcmul(row_shift, h, 1.0 + row_scale, out=h),
+            "kitchen_rms_adaln_one_pass_s": lambda: kernels.rms_adaln(x, row_scale, row_shift, 1e-6),
+        }, iters=20)
+        norm32 = torch.nn.RMSNorm(hidden, eps=1e-6, device="cuda")
+        norm32.weight.copy_(norm.weight.float())
+        ref = mod_scale_shift(norm32(x.float()), shift.float(), scale.float(), segments)
+
+        def rel(a):
+            return float((a.float() - ref).norm() / ref.norm())
+        res["norm_modulation_unfused_rel_err_vs_fp32"] = rel(mod_scale_shift(norm(x), shift, scale, segments))
+        res["norm_modulation_fused_rel_err_vs_fp32"] = rel(norm_scale_shift(norm, x, shift, scale, segments))
+        res["norm_modulation_fused_used_kernel"] = kernels.fused_adaln(x)
+        gu = torch.randn(seq, 2 * ffn, generator=g, device="cuda").bfloat16()
+        res["swiglu_silu_mul_s"] = cuda_time(lambda: F.silu(gu[:, :ffn]).mul_(gu[:, ffn:]), 3, 20)["median_s"]
+        res["swiglu_input_bytes"] = gu.numel() * 2
+        v = torch.randn(seq, 3, 56 * 128, device="cuda").bfloat16()[:, 2]
+        res["v_clone_s"] = cuda_time(lambda: v.clone(), 3, 20)["median_s"]
+    out["fusions"] = {"seq": seq, "hidden": hidden, "segments": segments, "results": res}
+    print("fusions: " + ", ".join(f"{k}={v:.3e}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), flush=True)
 
 
 def section_shard(res_list, ours, out, bandwidths=(180e9, 360e9)):
@@ -246,13 +511,11 @@ def section_kernels(out, seq=15356):
     res["rms_rope_torch_reference_s"] = cuda_time(reference, 3, 10)["median_s"]
     # packing q|k|v head slices for the all-to-all (the only copy the sharded path adds per block)
     from comfy.ldm.minimax_h3.plan import balanced_ranges
-    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
     for world in (2, 4, 8):
         s = seq // world
         x = torch.randn(s, 3, heads, dim, device="cuda", dtype=torch.bfloat16)
         bounds = balanced_ranges(heads, world)
-        packer = UlyssesAttention.__new__(UlyssesAttention)
-        packer.head_ranges, packer.head_dim = bounds, dim
+        packer = _ulysses(world, seq, heads, dim)
         res[f"qkv_pack_cat_N{world}_s"] = cuda_time(lambda: torch.cat([x[:, :, a:b].reshape(-1) for a, b in bounds]), 3, 10)["median_s"]
         res[f"qkv_pack_one_copy_N{world}_s"] = cuda_time(lambda: packer.pack_heads(x), 3, 10)["median_s"]
     out["kernels"] = {"seq": seq, "heads": heads, "head_dim": dim, "results": res}
@@ -331,7 +594,7 @@ def section_accuracy(ours, out, seq=15356):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="native,accuracy,shard,kernels,profile")
+    ap.add_argument("--sections", default="native,accuracy,shard,overlap,fusions,kernels,profile")
     ap.add_argument("--resolutions", default=",".join(RESOLUTIONS))
     ap.add_argument("--layers", type=int, default=None, help="fewer blocks for a quick check")
     args = ap.parse_args()
@@ -357,7 +620,7 @@ def main():
     print(f"model: {info}", flush=True)
     save()
     if "native" in sections:
-        section_native(res_list, theirs, ours, out)
+        section_native(res_list, theirs, ours, out, save)
         save()
     if "profile" in sections:
         section_profile(res_list[0], theirs, ours, out)
@@ -367,6 +630,12 @@ def main():
         save()
     if "shard" in sections:
         section_shard(res_list, ours, out)
+        save()
+    if "overlap" in sections:
+        section_overlap(res_list, ours, out, save)
+        save()
+    if "fusions" in sections:
+        section_fusions(out)
         save()
     if "kernels" in sections:
         section_kernels(out)

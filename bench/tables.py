@@ -36,6 +36,9 @@ PLOT_SCALING = "h3_sp_projected_speedup.png"
 
 H3_JSON = "h3_h200.json"
 H3_BASELINE_JSON = "h3_h200_baseline.json"
+H3_OVERLAP_JSON = "h3_h200_overlap.json"
+H3_PROFILE_JSON = "h3_h200_accuracy_profile.json"
+DEFAULT_CHUNKS = 2  # comfy/ldm/minimax_h3/ulysses.py DEFAULT_CHUNKS (checked by tests-unit/infra_test/bench_tables_sync_test.py)
 PARALLEL_JSON = "parallel_cpu.json"
 SNAPSHOT_JSON = "snapshot_cpu.json"
 PATCH_CHECK_JSON = "patch_check.json"
@@ -192,7 +195,7 @@ def t_native(results):
                  f"bf16 weights {model.get('weights_gib', '?')} GiB, random init")
     out = [caption("H3 native forward (one step, batch 1) on one GPU, ours vs upstream.", H3_JSON, gpu_machine(d) + extra), ""]
     header = ["resolution (WxHxF)", "tokens", "n", "upstream s", "ours s (cuDNN-first)", "ours s (flash-first)",
-              "ours / upstream", "flash-first / upstream", "peak GiB (upstream / ours)",
+              "ours s (unfused adaLN)", "ours / upstream", "flash-first / upstream", "peak GiB (upstream / ours)",
               "rel diff upstream run-to-run", "rel diff ours flash-first vs upstream", "rel diff ours cuDNN-first vs upstream"]
     rows = []
     for res, r in native.items():
@@ -202,13 +205,16 @@ def t_native(results):
         ratio = r.get("ratio_ours_over_upstream", ours / up)
         ratio_flash = r.get("ratio_ours_flash_over_upstream", flash / up if _num(flash) else None)
         peaks = f"{fmt(r['upstream'].get('peak_gib'), 2)} / {fmt(r['ours'].get('peak_gib'), 2)}"
-        rows.append([res, f_int(r.get("tokens")), r["upstream"].get("n", "—"), f_s(up), f_s(ours), f_s(flash),
+        unfused = (r.get("ours_unfused_adaln") or {}).get("median_s")
+        rows.append([res, f_int(r.get("tokens")), r["upstream"].get("n", "—"), f_s(up), f_s(ours), f_s(flash), f_s(unfused),
                      f_ratio(ratio), f_ratio(ratio_flash), peaks,
                      f_sci(r.get("rel_diff_upstream_run_to_run")), f_sci(r.get("rel_diff_ours_flash_vs_upstream")),
                      f_sci(r.get("rel_diff_ours_cudnn_vs_upstream"))])
     out += table(header, rows)
     out += ["", "Times: median of n timed forwards; upstream and ours (cuDNN-first) are the better of two interleaved "
-                "repeats, as the ratios use. Rel diff: max |a - b| / max |b| over the video and audio outputs."]
+                "repeats, as the ratios use. Ours runs cuDNN-first attention and the fused RMSNorm + adaLN kernel; the two "
+                "ours columns beside it each undo one of them. Rel diff: max |a - b| / max |b| over the video and audio outputs "
+                "(upstream is not run-to-run deterministic on CUDA, first column of those)."]
     return out
 
 
@@ -235,40 +241,65 @@ def t_native_baseline(results):
     return out
 
 
-def t_scaling(results):
-    d = load(results, H3_JSON)
+def _overlap(results):
+    d = load(results, H3_OVERLAP_JSON)
     if d is None:
-        raise Skip(f"{H3_JSON} not found")
-    sec = d.get("shard_emulation") or {}
-    resolutions = sec.get("resolutions")
-    if not resolutions:
-        raise Skip(f"{H3_JSON} has no 'shard_emulation' section")
-    all_rows = [r for res in resolutions.values() for _, r in _worlds(res)]
-    bws = _bandwidths(all_rows)
-    out = [caption("Sequence-parallel scaling ceiling: one DiT block emulated per rank on one GPU.", H3_JSON, gpu_machine(d)), ""]
-    header = ["resolution (WxHxF)", "tokens", "N", "rows / rank", "block ms", "compute speed-up",
-              "all-to-all MiB / rank / block"]
-    header += [f"projected speed-up @ {bw} GB/s" for bw in bws]
-    header += ["issue target", "target met at"]
+        raise Skip(f"{H3_OVERLAP_JSON} not found")
+    sec = d.get("overlap_emulation") or {}
+    if not sec.get("resolutions"):
+        raise Skip(f"{H3_OVERLAP_JSON} has no 'overlap_emulation' section")
+    return d, sec
+
+
+def _speedup(w, key):
+    return ((w.get("times") or {}).get(key) or {}).get("speedup")
+
+
+def _overlap_columns(resolutions):
+    """(bandwidths in GB/s, chunk counts) present in the JSON, from keys chunks<c>_bw<b>."""
+    bws, chunks = set(), set()
+    for r in resolutions.values():
+        for _, w in _worlds(r):
+            for k in w.get("times") or {}:
+                m = re.fullmatch(r"chunks(\d+)_bw(\d+)", k)
+                if m:
+                    chunks.add(int(m.group(1)))
+                    bws.add(int(m.group(2)))
+    return sorted(bws, reverse=True), sorted(chunks)
+
+
+def t_scaling(results):
+    d, sec = _overlap(results)
+    resolutions = sec["resolutions"]
+    bws, chunks = _overlap_columns(resolutions)
+    out = [caption("Sequence-parallel scaling on one GPU: one DiT block per rank, all-to-alls emulated on a side stream.",
+                   H3_OVERLAP_JSON, gpu_machine(d)), ""]
+    header = ["resolution (WxHxF)", "tokens", "N", "rows / rank", "all-to-all MiB / rank / block", "no transfers"]
+    header += [f"@ {bw} GB/s, {c} chunk{'s' if c > 1 else ''}{' (default)' if c == DEFAULT_CHUNKS else ''}"
+               for bw in bws for c in chunks]
+    header += ["issue target", f"met with the default ({DEFAULT_CHUNKS} chunks) at", "host ms / block (default, first bandwidth)"]
     rows = []
     for res, r in resolutions.items():
         for n, w in _worlds(r):
+            if n == 1:
+                continue
             target = TARGETS.get(n)
             met = "—"
             if target is not None:
-                ok = [f"{bw} GB/s" for bw in bws if _num(w.get(f"projected_speedup_at_{bw}GBps"))
-                      and w[f"projected_speedup_at_{bw}GBps"] >= target]
+                ok = [f"{bw} GB/s" for bw in bws if _num(_speedup(w, f"chunks{DEFAULT_CHUNKS}_bw{bw}"))
+                      and _speedup(w, f"chunks{DEFAULT_CHUNKS}_bw{bw}") >= target]
                 met = ", ".join(ok) if ok else "no"
-            a2a = w.get("a2a_bytes_per_rank_per_block")
-            rows.append([res, f_int(r.get("tokens")), n, f_int(w.get("rows_per_rank")), f_ms_from_s(w.get("block_s")),
-                         f_speedup(w.get("compute_speedup")), fmt(a2a / 2**20, 1) if _num(a2a) else "—"]
-                        + [f_speedup(w.get(f"projected_speedup_at_{bw}GBps")) for bw in bws]
-                        + [f_speedup(target) if target else "—", met])
+            a2a = w.get("a2a_bytes_per_block")
+            default = (w.get("times") or {}).get(f"chunks{DEFAULT_CHUNKS}_bw{bws[0]}") or {} if bws else {}
+            rows.append([res, f_int(r.get("tokens")), n, f_int(w.get("rows_per_rank")), fmt(a2a / 2**20, 1) if _num(a2a) else "—",
+                         f_speedup(_speedup(w, "chunks1_no_comm"))]
+                        + [f_speedup(_speedup(w, f"chunks{c}_bw{bw}")) for bw in bws for c in chunks]
+                        + [f_speedup(target) if target else "—", met, f_ms_from_s(default.get("host_s"))])
     out += table(header, rows)
-    note = sec.get("note")
-    out += ["", "Compute speed-up: block time at N=1 / block time at N. Projected: N=1 block time / (block time + "
-                "all-to-all bytes / bandwidth), GB/s = 1e9 B/s, no overlap of communication and compute."
-            + (f" Method (from the JSON): {note}." if note else "")]
+    out += ["", "Speed-up: the native block (N = 1, all rows, 56 heads) / the per-rank block at N. No transfers: the sharded "
+                "block with the all-to-alls left out (the compute ceiling: what stays replicated per rank, such as the adaLN "
+                "projection's weight reads and the q|k|v packing, keeps it under N). Chunks: UlyssesAttention's pipeline depth. "
+                f"Method (from the JSON): {sec.get('note', '?')}." + (f" Provenance: {sec['source']}." if sec.get("source") else "")]
     return out
 
 
@@ -453,8 +484,32 @@ def t_patch_check(results):
     return out
 
 
+def t_fusions(results):
+    d = load(results, H3_PROFILE_JSON)
+    if d is None or not (d.get("fusions") or {}).get("results"):
+        raise Skip(f"{H3_PROFILE_JSON} not found or has no 'fusions' section")
+    f = d["fusions"]
+    r = f["results"]
+    shape = f"{f_int(f.get('seq'))} x {f.get('hidden')} bf16, {len(f.get('segments', []))} mod segments"
+    out = [caption(f"RMSNorm + adaLN modulation, fused vs unfused ({shape}), one call; error vs an fp32 reference.",
+                   H3_PROFILE_JSON, gpu_machine(d)), ""]
+    out += table(["variant", "ms", "rel L2 error vs fp32"],
+                 [["unfused: RMSNorm, then per segment mul_ and add_ (upstream's ops)", f_ms_from_s(r.get("norm_modulation_unfused_s")),
+                   f_sci(r.get("norm_modulation_unfused_rel_err_vs_fp32"))],
+                  ["fused: comfy_kitchen rms_adaln, norm weight folded into the scale (ours on CUDA)",
+                   f_ms_from_s(r.get("norm_modulation_fused_s")), f_sci(r.get("norm_modulation_fused_rel_err_vs_fp32"))],
+                  ["parts: RMSNorm alone", f_ms_from_s(r.get("rms_norm_only_s")), "—"],
+                  ["parts: mul_ + add_ on one segment of all rows", f_ms_from_s(r.get("mul_add_one_segment_s")), "—"],
+                  ["parts: one addcmul on one segment of all rows", f_ms_from_s(r.get("addcmul_one_segment_s")), "—"],
+                  ["parts: one rms_adaln pass over all rows", f_ms_from_s(r.get("kitchen_rms_adaln_one_pass_s")), "—"],
+                  ["not fused: SwiGLU silu(gate) * up", f_ms_from_s(r.get("swiglu_silu_mul_s")), "—"],
+                  ["removed: v.clone() before our own SDPA", f_ms_from_s(r.get("v_clone_s")), "—"]], ["l", "r", "r"])
+    out += ["", "Times include the host's launch cost of each variant's small kernels (each call timed alone)."]
+    return out
+
+
 def t_accuracy_profile(results):
-    name = "h3_h200_accuracy_profile.json"
+    name = H3_PROFILE_JSON
     d = load(results, name)
     if d is None or "accuracy" not in d:
         raise Skip(f"{name} not found or has no 'accuracy' section")
@@ -470,7 +525,8 @@ def t_accuracy_profile(results):
     if prof:
         kernels = [r for r in prof["top"] if not r["name"].startswith(("aten::", "Command Buffer"))]
         groups = {"GEMM (nvjet / cuBLAS)": ("nvjet", "gemm"), "attention (cuDNN)": ("cudnn",),
-                  "fused RMSNorm + rope (comfy_kitchen)": ("rope_kernel",), "RMSNorm": ("layer_norm",)}
+                  "fused RMSNorm + rope (comfy_kitchen)": ("rope_kernel",), "fused RMSNorm + adaLN (comfy_kitchen)": ("adaln",),
+                  "RMSNorm": ("layer_norm",)}
         rows, seen = [], set()
         for label, keys in groups.items():
             ms = sum(r["device_ms"] for r in kernels if any(k in r["name"] for k in keys) and r["name"] not in seen)
@@ -507,6 +563,7 @@ SECTIONS = (
     ("H3 accuracy and step profile", t_accuracy_profile),
     ("H3 native forward before cuDNN-first", t_native_baseline),
     ("sequence-parallel scaling", t_scaling),
+    ("RMSNorm + adaLN fusion", t_fusions),
     ("kernel choices", t_kernels),
     ("comfy/parallel costs", t_parallel),
     ("patch snapshot costs", t_snapshot),
@@ -523,8 +580,11 @@ def plot_links(results, target_dir):
         d = None
     if d and d.get("native"):
         links.append(("H3 native forward, ours vs upstream", PLOT_NATIVE))
-    if d and (d.get("shard_emulation") or {}).get("resolutions"):
-        links.append(("projected sequence-parallel speed-up vs N", PLOT_SCALING))
+    try:
+        _overlap(results)
+        links.append(("sequence-parallel speed-up vs N, all-to-alls emulated", PLOT_SCALING))
+    except Skip:
+        pass
     out = []
     for alt, name in links:
         rel = os.path.relpath(Path(results) / name, target_dir).replace(os.sep, "/")
@@ -659,26 +719,34 @@ def make_plots(results=RESULTS):
         plt.close(fig)
         written.append(path)
 
-    resolutions = (d.get("shard_emulation") or {}).get("resolutions")
+    try:
+        _, sec = _overlap(results)
+        resolutions = sec["resolutions"]
+    except Skip as e:
+        print(f"scaling plot skipped: {e}")
+        resolutions = None
     if resolutions:
         names = list(resolutions)
+        bws, _ = _overlap_columns(resolutions)
         # top row: speed-up (log-log, so the ideal is a straight line); bottom row: speed-up / N, where the gaps show
         fig, axes = plt.subplots(2, len(names), figsize=(5.4 * len(names), 8.4), sharex=True, sharey="row", squeeze=False,
                                  gridspec_kw={"height_ratios": [3, 2]})
-        colors = ("#ff7f0e", "#1f77b4", "#9467bd", "#8c564b")
+        colors = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b")
         for col, res in enumerate(names):
             top, bottom = axes[0][col], axes[1][col]
-            worlds = _worlds(resolutions[res])
-            ns = [n for n, _ in worlds]
-            bws = _bandwidths([w for _, w in worlds])
-            curves = [("compute only", [w["compute_speedup"] for _, w in worlds], "#2ca02c", "o", ":")]
-            curves += [(f"projected, all-to-all at {bw} GB/s", [w[f"projected_speedup_at_{bw}GBps"] for _, w in worlds], c, "s", "-")
-                       for bw, c in zip(bws, colors)]
+            worlds = [(n, w) for n, w in _worlds(resolutions[res]) if n > 1]
+            ns = [1] + [n for n, _ in worlds]
+            curves = [("no transfers (compute ceiling)", [1.0] + [_speedup(w, "chunks1_no_comm") for _, w in worlds], "#2ca02c", "o", ":")]
+            for bw, c in zip(bws, colors):
+                curves.append((f"{bw} GB/s, no pipelining", [1.0] + [_speedup(w, f"chunks1_bw{bw}") for _, w in worlds], c, "x", "--"))
+                curves.append((f"{bw} GB/s, {DEFAULT_CHUNKS} chunks (default)",
+                               [1.0] + [_speedup(w, f"chunks{DEFAULT_CHUNKS}_bw{bw}") for _, w in worlds], c, "s", "-"))
             tn = [n for n in ns if n in TARGETS]
             for ax, scale in ((top, lambda n, v: v), (bottom, lambda n, v: 100 * v / n)):
                 ax.plot(ns, [scale(n, n) for n in ns], color="#999999", linestyle="--", label="ideal (N)")
                 for label, vals, color, marker, ls in curves:
-                    ax.plot(ns, [scale(n, v) for n, v in zip(ns, vals)], marker=marker, linestyle=ls, color=color, label=label)
+                    pts = [(n, v) for n, v in zip(ns, vals) if _num(v)]
+                    ax.plot([n for n, _ in pts], [scale(n, v) for n, v in pts], marker=marker, linestyle=ls, color=color, label=label)
                 ax.scatter(tn, [scale(n, TARGETS[n]) for n in tn], marker="*", s=170, color="#d62728", zorder=5, label="issue target")
                 ax.grid(alpha=0.3)
             for n in tn:
@@ -694,12 +762,12 @@ def make_plots(results=RESULTS):
             bottom.set_xlabel("GPUs N (sequence-parallel world size)")
         axes[0][0].set_ylabel("speed-up over one GPU (one DiT block)")
         axes[1][0].set_ylabel("parallel efficiency: speed-up / N (%)")
-        lowest = min(100 * w[k] / n for r in resolutions.values() for n, w in _worlds(r) for k in w
-                     if k == "compute_speedup" or k.startswith("projected_speedup_at_"))
+        lowest = min(100 * t["speedup"] / n for r in resolutions.values() for n, w in _worlds(r) if n > 1
+                     for t in (w.get("times") or {}).values() if _num(t.get("speedup")))
         axes[1][0].set_ylim(max(0, min(lowest, 100 * min(t / n for n, t in TARGETS.items())) - 4), 101)
         axes[0][-1].legend(fontsize=8, loc="upper left")
-        fig.suptitle(f"H3 sequence parallel: projected speed-up vs N (one block emulated per rank on one GPU, no overlap)\n{machine}",
-                     fontsize=11)
+        fig.suptitle("H3 sequence parallel: speed-up vs N, one block per rank on one GPU, all-to-alls emulated on a side stream\n"
+                     f"{machine}", fontsize=11)
         fig.tight_layout()
         path = results / PLOT_SCALING
         fig.savefig(path, dpi=120, metadata=meta)
