@@ -54,11 +54,23 @@ class UlyssesAttention:
                             for c in range(self.chunks)]
 
     def pack_heads(self, qkv):
-        """[s_r, 3, H, D] -> flat, chunk-major then rank-major, each piece [s_r, 3, h_jc, D]: one copy."""
-        s_r, d = qkv.shape[0], self.head_dim
+        """[s_r, 3, H, D] -> flat, chunk-major then rank-major, each piece [s_r, 3, h_jc, D]: one pass.
+
+        When every rank holds the same number of heads (N divides H), a chunk's pieces for all ranks
+        are one strided view of qkv, so each chunk is packed by one copy kernel instead of N.
+        """
+        s_r, d, n_ranks = qkv.shape[0], self.head_dim, self.world_size
         send = torch.empty(qkv.numel(), dtype=qkv.dtype, device=qkv.device)
+        even = len(set(self.heads)) == 1
+        by_rank = qkv.view(s_r, 3, n_ranks, self.heads[0], d) if even else None
         off = 0
         for ranges in self.chunk_heads:
+            if even:
+                x, h = ranges[0][0] - self.head_ranges[0][0], ranges[0][1] - ranges[0][0]
+                n = n_ranks * s_r * 3 * h * d
+                send[off:off + n].view(n_ranks, s_r, 3, h, d).copy_(by_rank[:, :, :, x:x + h].permute(2, 0, 1, 3, 4))
+                off += n
+                continue
             for a, b in ranges:
                 n = s_r * 3 * (b - a) * d
                 send[off:off + n].view(s_r, 3, b - a, d).copy_(qkv[:, :, a:b])
@@ -95,9 +107,10 @@ class UlyssesAttention:
             h = sizes[c][me]
             out = kernels.attention(full[:, 0], full[:, 1], full[:, 2], h, transformer_options).contiguous()
             recv = torch.empty(s_r * sum(sizes[c]) * d, dtype=out.dtype, device=out.device)
+            # `out` stays referenced until its transfer is waited on
             outs.append((self._a2a(recv, out.view(-1), [s_r * hj * d for hj in sizes[c]], [s * h * d for s in self.rows]),
-                         recv.split([s_r * hj * d for hj in sizes[c]])))
-        for work, _ in outs:
+                         recv.split([s_r * hj * d for hj in sizes[c]]), out))
+        for work, _, _ in outs:
             work.wait()
         # global head order is rank-major, then chunk: [rank 0 chunk 0 | rank 0 chunk 1 | ... | rank 1 chunk 0 | ...]
         return torch.cat([outs[c][1][j].view(s_r, -1) for j in range(self.world_size) for c in range(self.chunks)], dim=1)
