@@ -45,6 +45,13 @@ def test_unfused_on_cpu_and_when_rows_are_not_covered(monkeypatch):
         monkeypatch.setattr(kernels, "fused_adaln", lambda t: True)
         # rows 4..5 carry no modulation: the fused whole-row pass would be wrong, so the ops stay unfused
         assert torch.equal(norm_scale_shift(norm, x, shift, scale, [(0, 4, 0), (6, 10, 1)]), ref)
+        # a forward-time weight patch (ComfyUI's low-VRAM LoRA path) lives in the norm's own forward: unfused
+        full = [(0, 6, 0), (6, 10, 1)]
+        patched_norm = _norm(16, 2)
+        patched_norm.weight_function = [lambda w: w * 2.0]
+        patched_norm.forward = lambda t: torch.nn.functional.rms_norm(t, (16,), patched_norm.weight_function[0](patched_norm.weight), 1e-6)
+        expect = mod_scale_shift(patched_norm(x), shift, scale, full)
+        assert torch.equal(norm_scale_shift(patched_norm, x, shift, scale, full), expect)
 
 
 @pytest.mark.parametrize("kind", ["tags", "refs_all"])

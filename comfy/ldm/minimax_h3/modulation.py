@@ -40,7 +40,9 @@ def norm_scale_shift(norm, x, shift, scale, segments):
     rmsnorm(x) * w * (1 + s) + b == rmsnorm(x) * (1 + (w * (1 + s) - 1)) + b.
     """
     covered = sum(b - a for a, b, _ in segments) == x.shape[0]
-    if not kernels.fused_adaln(x) or not covered or getattr(norm, "eps", None) is None or norm.weight is None:
+    # a norm with forward-time weight patches (ComfyUI's low-VRAM LoRA path) must run its own forward
+    patched = bool(getattr(norm, "weight_function", None)) or bool(getattr(norm, "bias_function", None))
+    if not kernels.fused_adaln(x) or not covered or patched or getattr(norm, "eps", None) is None or norm.weight is None:
         return mod_scale_shift(norm(x), shift, scale, segments)
     # every mod row folded at once (a handful of [M, hidden] kernels; per-row folding costs launches that show at small shards)
     w = kernels.cast_to(norm.weight, x.device).float()
