@@ -15,26 +15,17 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from comfy.ldm.minimax_h3 import kernels  # noqa: E402
 from comfy.ldm.minimax_h3.embedding import rope_rotation_table  # noqa: E402
 from comfy.ldm.minimax_h3.modules import Attention  # noqa: E402
+from h3_gpu import cuda_time  # noqa: E402
 
 
-def bench(fn, warmup=5, iters=30):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return {"median_ms": times[len(times) // 2], "min_ms": times[0], "max_ms": times[-1]}
+def bench(fn):
+    t = cuda_time(fn, warmup=5, iters=30, budget_s=1e9)  # no time budget: always 30 repeats
+    return {"median_ms": t["median_s"] * 1e3, "min_ms": t["min_s"] * 1e3, "max_ms": t["max_s"] * 1e3}
 
 
 def main():

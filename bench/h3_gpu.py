@@ -6,7 +6,7 @@ is imported from there). Both models share one set of random bf16 weights (upstr
 are assigned into ours), so a 62 GiB model fits once. Results: JSON (one file, rewritten after
 every section so a timeout still leaves what was measured).
 
-  python bench/h3_gpu.py --out bench/results/h3_h200.json [--sections native,shard,kernels,profile]
+  python bench/h3_gpu.py --out bench/results/h3_h200.json [--sections native,overlap,fusions,kernels,profile]
 
 The committed results came from (one H200, trimmed base on COMFYUI_DIR, kitchen/aimdo wheels on PYTHONPATH):
   --sections native,kernels                          -> bench/results/h3_h200.json
@@ -164,27 +164,9 @@ def _ulysses(world, seq, heads, dim, chunks=1, rank=0):
     return UlyssesAttention(shard, heads, dim, chunks=chunks)
 
 
-class _EmulatedShard:
-    """Stands in for UlyssesAttention on one GPU: the real head packing, then full-sequence
-    attention over the largest head share, then the unpacking concat (collectives left out)."""
-
-    def __init__(self, world, seq, heads, dim, device):
-        self.world_size = world
-        self.h = -(-heads // world)
-        self.full = torch.randn(seq, 3, self.h, dim, device=device, dtype=torch.bfloat16)
-        self.real = _ulysses(world, seq, heads, dim)
-
-    def attention(self, qkv, transformer_options):
-        from comfy.ldm.minimax_h3 import kernels
-        self.real.pack_heads(qkv)
-        out = kernels.attention(self.full[:, 0], self.full[:, 1], self.full[:, 2], self.h, transformer_options)
-        s = qkv.shape[0]
-        return torch.cat([out[:s]] * self.world_size, dim=1)[:, :qkv.shape[2] * qkv.shape[3]]
-
-
 def chunk_bytes(ulysses, c, elem=2):
     """(in send, in recv, out send, out recv) bytes of rank `ulysses.rank` for chunk c of one block (bf16)."""
-    sizes = [b - a for a, b in ulysses.chunk_heads[c]]
+    sizes = ulysses.chunk_sizes[c]
     me, d = ulysses.rank, ulysses.head_dim
     s_r = ulysses.rows[me]
     others_rows = sum(ulysses.rows) - s_r
@@ -258,39 +240,33 @@ class _PipelinedEmulation:
     _EmulatedComm of the bytes that rank would send and receive, issued in the same order."""
 
     def __init__(self, world, seq, heads, dim, chunks, comm):
-        self.world_size, self.seq, self.dim, self.comm = world, seq, dim, comm
+        self.world_size, self.dim, self.comm = world, dim, comm
         self.real = _ulysses(world, seq, heads, dim, chunks=chunks)
         self.chunks = self.real.chunks
         self.s_r = self.real.rows[0]
-        self.sizes = [[b - a for a, b in r] for r in self.real.chunk_heads]
+        self.sizes = self.real.chunk_sizes
         self.full = [torch.randn(seq, 3, sz[0], dim, device="cuda", dtype=torch.bfloat16) for sz in self.sizes]
         if comm is not None:
-            comm.prepare(n for c in range(self.chunks) for n in self._bytes(c))
+            comm.prepare(n for c in range(self.chunks) for n in chunk_bytes(self.real, c))
 
     def _start(self, send_bytes, recv_bytes):
         return None if self.comm is None else self.comm.start(send_bytes, recv_bytes)
-
-    def _bytes(self, c):
-        return chunk_bytes(self.real, c)
-
-    def bytes_per_block(self):
-        return bytes_per_block(self.real)
 
     def attention(self, qkv, transformer_options):
         from comfy.ldm.minimax_h3 import kernels
         self.real.pack_heads(qkv)
         cur = torch.cuda.current_stream()
-        pending = self._start(*self._bytes(0)[:2])
+        pending = self._start(*chunk_bytes(self.real, 0)[:2])
         outs = []
         for c in range(self.chunks):
             ready = pending
             if c + 1 < self.chunks:
-                pending = self._start(*self._bytes(c + 1)[:2])
+                pending = self._start(*chunk_bytes(self.real, c + 1)[:2])
             if ready is not None:
                 cur.wait_event(ready)
             full = self.full[c]
             out = kernels.attention(full[:, 0], full[:, 1], full[:, 2], self.sizes[c][0], transformer_options).contiguous()
-            outs.append((self._start(*self._bytes(c)[2:]), out))
+            outs.append((self._start(*chunk_bytes(self.real, c)[2:]), out))
         for done, _ in outs:
             if done is not None:
                 cur.wait_event(done)
@@ -323,7 +299,6 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
     costs the attention kernel) and with the all-to-alls emulated on a side stream."""
     from comfy.ldm.minimax_h3.embedding import rope_rotation_table
     from comfy.ldm.minimax_h3 import kernels
-    from comfy.ldm.minimax_h3.layout import PackedLayout
     block = ours.blocks[0]
     heads, dim, hidden = 56, 128, 5376
     fused = kernels.fused_adaln
@@ -331,8 +306,7 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
     out["overlap_emulation"] = {"note": OVERLAP_NOTE.format(rounds=rounds, repeat=repeat), "latency_s_per_collective": latency_s,
                                 "resolutions": rows}
     for res in res_list:
-        x, t, c = inputs(res)
-        seq = PackedLayout(c.shape[1], x[0].shape[2], x[0].shape[3], x[0].shape[4], x[1].shape[-1]).seq_len
+        seq = tokens(res)
         t_emb = torch.randn(2, 2688, device="cuda", dtype=torch.bfloat16)
         host = {}
 
@@ -372,14 +346,13 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
                     fns[f"chunks{chunks}_bw{gbps}"] = block_fn(s, _PipelinedEmulation(world, seq, heads, dim, chunks, comm),
                                                                f"chunks{chunks}_bw{gbps}")
             times = interleaved(fns, rounds=rounds, warmup=2, iters=6)
-            sample = _PipelinedEmulation(world, seq, heads, dim, 1, None)
-            w_rows = {"rows_per_rank": s, "a2a_bytes_per_block": sample.bytes_per_block(),
+            w_rows = {"rows_per_rank": s, "a2a_bytes_per_block": bytes_per_block(_ulysses(world, seq, heads, dim)),
                       "times": {k: {"block_s": v / repeat, "speedup": base / (v / repeat), "host_s": host_s(k)}
                                 for k, v in times.items()}}
             res_rows[str(world)] = w_rows
             print(f"overlap {res} N={world}: " + ", ".join(f"{k} x{v['speedup']:.3f} (host {v['host_s'] * 1e3:.2f} ms)"
                                                          for k, v in w_rows["times"].items()), flush=True)
-            del fns, sample
+            del fns
         rows[res] = {"tokens": seq, "native_block_s": base, "native_host_s": res_rows["1"]["host_s"], "worlds": res_rows}
         print(f"overlap {res} native block {base * 1e3:.2f} ms (host {res_rows['1']['host_s'] * 1e3:.2f} ms)", flush=True)
         del comms
@@ -427,41 +400,6 @@ def section_fusions(out, seq=15356, hidden=5376, ffn=14336):
         res["v_clone_s"] = cuda_time(lambda: v.clone(), 3, 20)["median_s"]
     out["fusions"] = {"seq": seq, "hidden": hidden, "segments": segments, "results": res}
     print("fusions: " + ", ".join(f"{k}={v:.3e}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), flush=True)
-
-
-def section_shard(res_list, ours, out, bandwidths=(180e9, 360e9)):
-    from comfy.ldm.minimax_h3.embedding import rope_rotation_table
-    block = ours.blocks[0]
-    heads, dim, hidden = 56, 128, 5376
-    rows = {}
-    for res in res_list:
-        x, t, c = inputs(res)
-        from comfy.ldm.minimax_h3.layout import PackedLayout
-        seq = PackedLayout(c.shape[1], x[0].shape[2], x[0].shape[3], x[0].shape[4], x[1].shape[-1]).seq_len
-        t_emb = torch.randn(2, 2688, device="cuda", dtype=torch.bfloat16)
-        res_rows = {}
-        for world in (1, 2, 4, 8):
-            s = -(-seq // world)
-            h = torch.randn(s, hidden, device="cuda", dtype=torch.bfloat16)
-            rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
-            mods = [(0, s // 3, 1), (s // 3, s, 0)]
-            sp = None if world == 1 else _EmulatedShard(world, seq, heads, dim, "cuda")
-            with torch.no_grad():
-                tm = cuda_time(lambda: block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp), warmup=3, iters=10)
-            a2a = 4 * s * heads * dim * 2 * (world - 1) / world  # bytes each rank sends per block (q|k|v + out)
-            res_rows[world] = {"rows_per_rank": s, "block_s": tm["median_s"], "a2a_bytes_per_rank_per_block": a2a}
-        base = res_rows[1]["block_s"]
-        for world, r in res_rows.items():
-            r["compute_speedup"] = base / r["block_s"]
-            for bw in bandwidths:
-                comm = r["a2a_bytes_per_rank_per_block"] / bw
-                r[f"projected_speedup_at_{int(bw / 1e9)}GBps"] = base / (r["block_s"] + comm)
-        rows[res] = {"tokens": seq, "worlds": res_rows}
-        print(f"shard {res}: " + ", ".join(f"N={w} x{r['compute_speedup']:.2f} (proj {r['projected_speedup_at_360GBps']:.2f})"
-                                           for w, r in res_rows.items()), flush=True)
-    out["shard_emulation"] = {"note": "one DiT block at real dims; per-rank rows S/N for per-token ops, full-sequence "
-                                      "attention over ceil(56/N) heads; projection adds all-to-all bytes / bandwidth, no overlap",
-                              "resolutions": rows}
 
 
 def section_kernels(out, seq=15356):
@@ -594,7 +532,7 @@ def section_accuracy(ours, out, seq=15356):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="native,accuracy,shard,overlap,fusions,kernels,profile")
+    ap.add_argument("--sections", default="native,accuracy,overlap,fusions,kernels,profile")
     ap.add_argument("--resolutions", default=",".join(RESOLUTIONS))
     ap.add_argument("--layers", type=int, default=None, help="fewer blocks for a quick check")
     args = ap.parse_args()
@@ -627,9 +565,6 @@ def main():
         save()
     if "accuracy" in sections:
         section_accuracy(ours, out)
-        save()
-    if "shard" in sections:
-        section_shard(res_list, ours, out)
         save()
     if "overlap" in sections:
         section_overlap(res_list, ours, out, save)

@@ -9,6 +9,13 @@ block_s = native block_s / speed-up carries up to 0.03% rounding; byte counts ar
 the same geometry the run used (bench/h3_gpu.py: chunk_bytes).
 
   python bench/h3_overlap_log.py bench/results/h3_h200_overlap.log --json <the run's JSON> --out bench/results/h3_h200_overlap.json
+
+A second run (chunks 1, 2, 3, 4, 7; 5 rounds; 15k tokens only) printed its lines, then hit the 500 s
+command limit during the 38k resolution, before its JSON got the section:
+
+  python bench/h3_overlap_log.py bench/results/h3_h200_overlap_depths.log --json <that run's JSON> --rounds 5 \
+      --why "hit the 500 s command limit during the 38k resolution, before its JSON got this section" \
+      --out bench/results/h3_h200_overlap_depths.json
 """
 
 import argparse
@@ -60,13 +67,16 @@ def main():
     ap.add_argument("log")
     ap.add_argument("--json", required=True, help="the JSON the same run wrote (machine, model)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds the run used (for the method note)")
+    ap.add_argument("--why", default="its JSON lacked this section (a bench bug, since fixed)",
+                    help="why the JSON had no section, for the provenance note")
     args = ap.parse_args()
     with open(args.json) as f:
         out = json.load(f)
     with open(args.log) as f:
-        out["overlap_emulation"] = parse(f)
+        out["overlap_emulation"] = parse(f, rounds=args.rounds)
     out["overlap_emulation"]["source"] = (f"parsed from {os.path.basename(args.log)} by bench/h3_overlap_log.py: the run printed "
-                                          "every measurement but its JSON lacked this section (a bench bug, since fixed)")
+                                          f"every measurement but {args.why}")
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 

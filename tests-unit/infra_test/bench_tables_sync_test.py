@@ -74,7 +74,3 @@ def test_partial_json_skips_a_table_not_the_run(tables, tmp_path):
     assert "H3 native forward: table skipped" in block
     assert "sequence-parallel scaling: table skipped" in block
 
-
-def test_tables_name_the_models_default_pipeline_depth(tables):
-    from comfy.ldm.minimax_h3.ulysses import DEFAULT_CHUNKS
-    assert tables.DEFAULT_CHUNKS == DEFAULT_CHUNKS, "bench/tables.py labels a different all-to-all pipeline depth as the default"

@@ -52,6 +52,7 @@ class UlyssesAttention:
         cuts = [balanced_ranges(b - a, self.chunks) for a, b in shard.head_ranges]
         self.chunk_heads = [[(a + cuts[j][c][0], a + cuts[j][c][1]) for j, (a, _) in enumerate(shard.head_ranges)]
                             for c in range(self.chunks)]
+        self.chunk_sizes = [[b - a for a, b in ranges] for ranges in self.chunk_heads]  # [c][j]: heads of rank j in chunk c
 
     def pack_heads(self, qkv):
         """[s_r, 3, H, D] -> flat, chunk-major then rank-major, each piece [s_r, 3, h_jc, D]: one pass.
@@ -83,9 +84,8 @@ class UlyssesAttention:
 
     def attention(self, qkv, transformer_options):
         """[s_r, 3, H, D] normed + roped local q|k|v -> [s_r, H * D] attention output."""
-        d, s_r, me = self.head_dim, self.rows[self.rank], self.rank
+        d, s_r, me, sizes = self.head_dim, self.rows[self.rank], self.rank, self.chunk_sizes
         send = self.pack_heads(qkv)
-        sizes = [[b - a for a, b in ranges] for ranges in self.chunk_heads]  # sizes[c][j]: heads of rank j in chunk c
         offsets = [0]
         for c in range(self.chunks):
             offsets.append(offsets[-1] + s_r * 3 * sum(sizes[c]) * d)
