@@ -72,15 +72,18 @@ def test_chunk_heads_cover_every_head_in_order(heads, world, chunks, expect):
 
 
 @pytest.mark.parametrize("heads,world,chunks", [(8, 2, 1), (8, 2, 3), (56, 8, 2), (8, 3, 2), (12, 4, 2)])
-def test_pack_heads_lays_out_every_piece(heads, world, chunks):
-    # the send buffer is chunk-major, then rank-major, each piece [s_r, 3, h_jc, D] of this rank's rows
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 4), (torch.bfloat16, 8), (torch.bfloat16, 6)])
+def test_pack_heads_lays_out_every_piece(heads, world, chunks, dtype, dim):
+    # the send buffer is chunk-major, then rank-major, each piece [s_r, 3, h_jc, D] of this rank's rows;
+    # copied as 8-byte words when a head is a whole number of them (bf16 x 6 is not)
     from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
     model, cfg = tiny_model()
     plan, _, _ = plan_for(model, cfg)
-    sp = UlyssesAttention(plan.shard(world, 1, heads), heads, 4, chunks=chunks)
-    qkv = torch.randn(sp.rows[1], 3, heads, 4)
+    sp = UlyssesAttention(plan.shard(world, 1, heads), heads, dim, chunks=chunks)
+    qkv = torch.randn(sp.rows[1], 3, heads, dim).to(dtype)
     expect = torch.cat([qkv[:, :, a:b].reshape(-1) for ranges in sp.chunk_heads for a, b in ranges])
-    assert torch.equal(sp.pack_heads(qkv), expect)
+    send = sp.pack_heads(qkv)
+    assert send.dtype == dtype and torch.equal(send, expect)
 
 
 def test_chunks_must_be_positive():
