@@ -102,6 +102,80 @@ def test_block_patches_are_refused_when_sharded():
         sharded_forward(model, plan, 0, 2, video, audio, c, p, opts)
 
 
+def _adaln_shared(rank, world, layers):
+    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+    model, cfg = tiny_model(num_layers=layers)
+    plan, (video, _, c, _), _ = plan_for(model, cfg, "keyframes")
+    sp = UlyssesAttention(plan.shard(world, rank, model.num_heads), model.num_heads, cfg["attention_head_dim"])
+    t_emb = model.time_embedding(plan, video.device, c.dtype)
+    projections = [block.adaln_proj for block in model.blocks]
+    calls = []
+    for i, p in enumerate(projections):
+        p.project = (lambda t, p=p, i=i: calls.append(i) or type(p).project(p, t))
+    shared = sp.adaln_projections(projections, t_emb)
+    for p in projections:
+        del p.project
+    exact = all(torch.equal(s, p.project(t_emb)) for s, p in zip(shared, projections))
+    return {"calls": calls, "exact": exact, "count": len(shared), "rows": int(t_emb.shape[0])}
+
+
+@pytest.mark.parametrize("world,layers", [(3, 4), (2, 5), (4, 2)])
+def test_adaln_projections_are_split_over_ranks_and_shared(run_ranks, world, layers):
+    # each rank projects only blocks r, r + N, ... (an idle rank, N > blocks, projects one for the shape)
+    # and every rank ends with every block's projection, bit-identical to projecting it itself
+    results = run_ranks(_adaln_shared, world, kwargs={"layers": layers}, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["calls"] == (list(range(rank, layers, world)) or [0]), f"rank {rank} projected blocks {r['calls']}"
+        assert r["count"] == layers and r["exact"], f"rank {rank}: shared projections differ from its own"
+    assert results[0]["rows"] >= 2  # keyframes: more than one timestep, so rows are not interchangeable
+
+
+def _run_projects(rank, world):
+    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention, gather_targets
+    from comfy.ldm.minimax_h3.modules import AdalnProj
+    model, cfg = tiny_model(num_layers=5)
+    plan, (video, audio, c, p), (x, t, _, _) = plan_for(model, cfg, "keyframes")
+    shard = plan.shard(world, rank, model.num_heads)
+    sp = UlyssesAttention(shard, model.num_heads, cfg["attention_head_dim"], chunks=2)
+    index = {id(b.adaln_proj): i for i, b in enumerate(model.blocks)}
+    calls, project = [], AdalnProj.project
+
+    def counting(self, t_emb):
+        calls.append(index.get(id(self), "final"))
+        return project(self, t_emb)
+
+    class Minimal:  # a runner offering only what run() requires: no adaln_projections
+        world_size = sp.world_size
+        attention = sp.attention
+
+    AdalnProj.project = counting
+    try:
+        shared = gather_targets(shard, *model.run(plan, shard, video, audio, c, p, {}, seq_parallel=sp))
+        shared_calls, calls[:] = list(calls), []
+        minimal = gather_targets(shard, *model.run(plan, shard, video, audio, c, p, {}, seq_parallel=Minimal()))
+        minimal_calls = list(calls)
+    finally:
+        AdalnProj.project = project
+    if rank != 0:
+        return {"shared_calls": shared_calls, "minimal_calls": minimal_calls}
+    native = model(x, t, c, {}, minimax_payload=p)
+    errs = []
+    for rows in (shared, minimal):
+        out = model.unpack(plan, *rows, video.dtype, audio.dtype)
+        errs.append(max(float((o - n).abs().max() / n.abs().max()) for o, n in zip(out, native)))
+    return {"shared_calls": shared_calls, "minimal_calls": minimal_calls, "errs": errs}
+
+
+def test_run_projects_only_its_share_of_the_blocks(run_ranks):
+    # model.run under sequence parallelism projects blocks r, r + N, ... on rank r; a runner without
+    # adaln_projections (an older or external one) still works, every block projecting its own
+    results = run_ranks(_run_projects, 2, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["shared_calls"] == list(range(rank, 5, 2)) + ["final"], r["shared_calls"]
+        assert r["minimal_calls"] == list(range(5)) + ["final"], r["minimal_calls"]
+    assert max(results[0]["errs"]) <= 1e-5, results[0]["errs"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [5, 6, 7, 8])
 def test_sharded_matches_native_large_worlds(run_ranks, world):

@@ -4,6 +4,10 @@
 the layout (PackedLayout), conditioning (timestep plan, tag runs, curve lookup), modulation ops,
 ForwardPlan / ShardPlan and ``MiniMaxH3Model.run(plan, shard, ...)``. Additive changes bump the
 minor number, anything else the major.
+
+``run``'s ``seq_parallel`` object provides ``world_size`` and ``attention(qkv, transformer_options)``
+and may provide ``adaln_projections(projections, t_emb)`` (every block's ``AdalnProj.project(t_emb)``,
+shared across ranks; ``DiTBlock`` takes one as ``adaln=``).
 """
 
 H3_EXTENSION_API = (1, 0)

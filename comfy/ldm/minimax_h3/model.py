@@ -180,21 +180,27 @@ class MiniMaxH3Model(nn.Module):
         # rotation table computed once per forward, consumed by the fused split-half rope
         rope = rope_rotation_table(self.rope_freqs(shard.positions(plan), device), dtype)
         mod = list(shard.mod_segments)
+        # sharded: a runner that offers it lets each rank project the adaLN modulation of 1/N of the
+        # blocks and shares them (UlyssesAttention.adaln_projections); otherwise every block projects its own
+        share = getattr(seq_parallel, "adaln_projections", None) if seq_parallel is not None and seq_parallel.world_size > 1 else None
+        adaln = share([block.adaln_proj for block in self.blocks], t_emb) if share else [None] * len(self.blocks)
 
         blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
         prefetch_queue = kernels.make_prefetch_queue(self.blocks, device, transformer_options)
         for i, block in enumerate(self.blocks):
             kernels.prefetch_queue_pop(prefetch_queue, device, block)
             if ("double_block", i) in blocks_replace:
-                def block_wrap(args, block=block):
+                def block_wrap(args, block=block, i=i):
                     return {"img": block(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
-                                         transformer_options=args["transformer_options"], seq_parallel=seq_parallel)}
+                                         transformer_options=args["transformer_options"], seq_parallel=seq_parallel,
+                                         adaln=adaln[i])}
                 h = blocks_replace[("double_block", i)](
                     {"img": h, "t_emb": t_emb, "mod_segments": mod, "rope_freqs": rope,
                      "transformer_options": transformer_options},
                     {"original_block": block_wrap})["img"]
             else:
-                h = block(h, t_emb, mod, rope, transformer_options=transformer_options, seq_parallel=seq_parallel)
+                h = block(h, t_emb, mod, rope, transformer_options=transformer_options, seq_parallel=seq_parallel,
+                          adaln=adaln[i])
         if prefetch_queue is not None:
             kernels.prefetch_queue_pop(prefetch_queue, device, None)
         return self.final_layer(h, t_emb, shard.video_seg, shard.audio_seg)

@@ -82,11 +82,17 @@ class AdalnProj(nn.Module):
         self.apply_silu = apply_silu
         self.linear = operations.Linear(t_dim, expand * hidden * modalities, bias=True, dtype=dtype, device=device)
 
-    def forward(self, t_emb):
-        # [M, t_dim] -> `expand` tensors of [M*modalities, hidden]
-        x = self.linear(nn.functional.silu(t_emb) if self.apply_silu else t_emb)
+    def project(self, t_emb):
+        # [M, t_dim] -> [M, expand * hidden * modalities]
+        return self.linear(nn.functional.silu(t_emb) if self.apply_silu else t_emb)
+
+    def split(self, x):
+        # project()'s output -> `expand` tensors of [M*modalities, hidden]
         x = x.view(x.shape[0] * self.modalities, self.expand * self.hidden)
         return x.chunk(self.expand, dim=-1)
+
+    def forward(self, t_emb):
+        return self.split(self.project(t_emb))
 
 
 class RefinerBlock(nn.Module):
@@ -130,8 +136,11 @@ class DiTBlock(nn.Module):
                                     dtype=adaln_dtype if adaln_dtype is not None else dtype,
                                     device=device, operations=operations)
 
-    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, seq_parallel=None):
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
+    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, seq_parallel=None, adaln=None):
+        # adaln: this block's adaln_proj.project(t_emb) when the caller computed it already (sequence
+        # parallel ranks share that work, see UlyssesAttention.adaln_projections)
+        mods = self.adaln_proj(t_emb) if adaln is None else self.adaln_proj.split(adaln)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
         h = norm_scale_shift(self.norm1, x, shift_msa, scale_msa, mod_segments)
         attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options, seq_parallel=seq_parallel)
         x = mod_gate(x, gate_msa, attn, mod_segments)
