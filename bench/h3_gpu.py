@@ -12,7 +12,13 @@ The committed results came from (one H200, trimmed base on COMFYUI_DIR, kitchen/
   --sections native,kernels                          -> bench/results/h3_h200.json
   --sections overlap,fusions,accuracy,profile        -> bench/results/h3_h200_accuracy_profile.json
   --layers 2 --sections overlap                      -> bench/results/h3_h200_overlap.json (via bench/h3_overlap_log.py)
-The overlap section uses blocks[0] only, so --layers 2 measures it at full block size with a fast start.
+  --layers 2 --sections budget,kernels               -> bench/results/h3_h200_budget.json
+  --layers 2 --sections gaps                         -> bench/results/h3_h200_gaps.json
+  --layers 2 --sections overlap --resolutions 832x480x124 --repeat 50 --chunks 2 --shared-chunks 2 --bandwidths 360 \
+      --graphs --no-unfused                          -> bench/results/h3_h200_shared_adaln_15k.json
+  (the same with --resolutions 1344x768x124 --repeat 8 -> bench/results/h3_h200_shared_adaln_38k.json)
+The overlap, budget and gaps sections use blocks[0] only, so --layers 2 measures them at full block
+size with a fast start.
 """
 
 import argparse
@@ -290,13 +296,16 @@ OVERLAP_NOTE = ("one DiT block at real dims per rank (rank 0, S/N rows, ceil(56/
                 "transfers; bwX: every all-to-all replaced by a side-stream stand-in issued in UlyssesAttention's order (a device "
                 "copy of the bytes received, then idle until max(sent, received) / X GB/s + latency); NCCL's own SM use is not "
                 "modelled; each time the median of {rounds} interleaved rounds of {repeat} blocks back to back (per block); "
-                "host_s: the host's time to issue one block (the GPU is host-bound when it is close to block_s)")
+                "host_s: the host's time to issue one block (the GPU is host-bound when it is close to block_s); "
+                "*_shared_adaln: the adaLN projections shared across ranks (this rank projects one block in N; the "
+                "~20 MB/step all-gather, ~1 us/block at 360 GB/s, not emulated)")
 
 
 def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 180e9), latency_s=20e-6, chunk_list=(1, 2, 4),
-                    repeat=8, rounds=3):
+                    repeat=8, rounds=3, shared_chunks=(), unfused=True, graphs=False):
     """Per-rank block time for each all-to-all pipeline depth: without communication (what chunking
-    costs the attention kernel) and with the all-to-alls emulated on a side stream."""
+    costs the attention kernel) and with the all-to-alls emulated on a side stream; for the depths in
+    `shared_chunks` also with the adaLN projections shared across ranks."""
     from comfy.ldm.minimax_h3.embedding import rope_rotation_table
     from comfy.ldm.minimax_h3 import kernels
     block = ours.blocks[0]
@@ -304,14 +313,16 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
     fused = kernels.fused_adaln
     rows = {}
     out["overlap_emulation"] = {"note": OVERLAP_NOTE.format(rounds=rounds, repeat=repeat), "latency_s_per_collective": latency_s,
-                                "resolutions": rows}
+                                "repeat": repeat, "rounds": rounds, "resolutions": rows}
     for res in res_list:
         seq = tokens(res)
         t_emb = torch.randn(2, 2688, device="cuda", dtype=torch.bfloat16)
         host = {}
 
-        def block_fn(s, sp, name, fuse=True):
-            # `repeat` blocks back to back per timed call, as in a step: the host may run ahead of the GPU
+        def block_fn(s, sp, name, fuse=True, share=None, graph=False):
+            # `repeat` blocks back to back per timed call, as in a step: the host may run ahead of the GPU.
+            # share=N: the adaLN projections are shared (UlyssesAttention.adaln_projections), so this rank
+            # projects once every N blocks; the ~20 MB/step all-gather (~1 us/block at 360 GB/s) is not emulated
             h = torch.randn(s, hidden, device="cuda", dtype=torch.bfloat16)
             rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
             mods = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)]
@@ -320,23 +331,74 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
                 kernels.fused_adaln = fused if fuse else (lambda x: False)
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    for _ in range(repeat):
-                        block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp)
+                    proj = None
+                    for i in range(repeat):
+                        if share and i % share == 0:
+                            proj = block.adaln_proj.project(t_emb)
+                        block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=proj)
                 host.setdefault(name, []).append((time.perf_counter() - t0) / repeat)
                 kernels.fused_adaln = fused
-            return fn
+            if not graph:
+                return fn
+            # the same block replayed from one CUDA graph (no per-kernel launch cost); the shared
+            # projection runs eagerly into the graph's static input, once every `share` blocks
+            share = share or 1  # unshared: every block projects its own (eagerly, as the others do)
+            static = block.adaln_proj.project(t_emb)
+            g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            with torch.no_grad():
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=static)
+                torch.cuda.current_stream().wait_stream(stream)
+                with torch.cuda.graph(g):
+                    block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=static)
+
+            def replay():
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    for i in range(repeat):
+                        if share and i % share == 0:
+                            static.copy_(block.adaln_proj.project(t_emb))
+                        g.replay()
+                host.setdefault(name, []).append((time.perf_counter() - t0) / repeat)
+            replay.graph = g
+            return replay
 
         def host_s(name):
             v = sorted(host.pop(name))
             return v[len(v) // 2]
 
-        base = interleaved({"native": block_fn(seq, None, "native")})["native"] / repeat
+        natives = {"native": block_fn(seq, None, "native")}
+        if graphs:
+            natives["native_graph"] = block_fn(seq, None, "native_graph", graph=True)
+        native_times = interleaved(natives, rounds=rounds if graphs else 3, warmup=2 if graphs else 3, iters=6 if graphs else 10)
+        base = native_times["native"] / repeat
         res_rows = {"1": {"block_s": base, "host_s": host_s("native")}}
+        if graphs:
+            res_rows["1"]["graph_block_s"] = native_times["native_graph"] / repeat
+            res_rows["1"]["graph_host_s"] = host_s("native_graph")
+        del natives
         comms = {int(bw / 1e9): _EmulatedComm(bw, latency_s) for bw in bandwidths}
         for world in (2, 4, 8):
             s = -(-seq // world)
-            fns = {"chunks1_no_comm_unfused_adaln": block_fn(s, _PipelinedEmulation(world, seq, heads, dim, 1, None),
-                                                             "chunks1_no_comm_unfused_adaln", fuse=False)}
+            fns = {}
+            if unfused:
+                fns["chunks1_no_comm_unfused_adaln"] = block_fn(s, _PipelinedEmulation(world, seq, heads, dim, 1, None),
+                                                                "chunks1_no_comm_unfused_adaln", fuse=False)
+            for chunks in shared_chunks:
+                if chunks > heads // world:
+                    continue
+                fns[f"chunks{chunks}_no_comm_shared_adaln"] = block_fn(
+                    s, _PipelinedEmulation(world, seq, heads, dim, chunks, None), f"chunks{chunks}_no_comm_shared_adaln", share=world)
+                if graphs:
+                    fns[f"chunks{chunks}_no_comm_shared_adaln_graph"] = block_fn(
+                        s, _PipelinedEmulation(world, seq, heads, dim, chunks, None), f"chunks{chunks}_no_comm_shared_adaln_graph",
+                        share=world, graph=True)
+                for gbps, comm in comms.items():
+                    fns[f"chunks{chunks}_bw{gbps}_shared_adaln"] = block_fn(
+                        s, _PipelinedEmulation(world, seq, heads, dim, chunks, comm), f"chunks{chunks}_bw{gbps}_shared_adaln",
+                        share=world)
             for chunks in chunk_list:
                 if chunks > heads // world:
                     continue
@@ -357,6 +419,243 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
         print(f"overlap {res} native block {base * 1e3:.2f} ms (host {res_rows['1']['host_s'] * 1e3:.2f} ms)", flush=True)
         del comms
         save()
+
+
+def gpu_kernel_s(fn, n=10):
+    """Seconds of GPU kernel time one call of fn launches (profiler kernel durations; no launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn(), fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / n / 1e6
+
+
+BUDGET_NOTE = ("GPU kernel time (profiler) of each op of one DiT block (layer 0 weights, bf16) at the rows and heads rank 0 of an "
+               "N-way shard holds: ceil(S/N) rows for per-token ops, ceil(56/N) heads over all S rows for attention (in "
+               "{chunks} chunks as UlyssesAttention runs it, each chunk's output made contiguous for its all-to-all); "
+               "count: calls per block. ideal_s = N=1 time / N; excess_s = per-block time - ideal. block_s: event time of "
+               "the whole block (no transfers, host may add gaps), block_kernel_s: its kernel time")
+
+
+def steady_blocks(block, x, t_emb, mods, rope, sp, repeat=8):
+    """`repeat` blocks back to back (as in a step): event time, the kernel timeline (how much of the
+    span the GPU is busy, how many kernels), and the same block replayed from a CUDA graph (no
+    launch gaps) -- all per block."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    xs = [x.clone() for _ in range(repeat)]
+
+    def run():
+        for xi in xs:
+            block(xi, t_emb, mods, rope, {}, seq_parallel=sp)
+    out = {"block_s": cuda_time(run, 3, 10)["median_s"] / repeat}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a >= end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    small = [b - a for a, b in spans if b - a < 10]
+    out.update({"kernels_per_block": len(spans) / repeat, "busy_s": busy / repeat / 1e6,
+                "span_s": (spans[-1][1] - spans[0][0]) / repeat / 1e6 if spans else 0.0,
+                "kernels_under_10us_per_block": len(small) / repeat, "kernels_under_10us_s": sum(small) / repeat / 1e6})
+    try:
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                block(xs[0], t_emb, mods, rope, {}, seq_parallel=sp)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            block(xs[0], t_emb, mods, rope, {}, seq_parallel=sp)
+
+        def replay():
+            for _ in range(repeat):
+                graph.replay()
+        out["graph_block_s"] = cuda_time(replay, 3, 10)["median_s"] / repeat
+        del graph
+    except Exception as e:  # a kernel that cannot be captured: say so, keep the rest
+        out["graph_block_s"] = f"capture failed: {type(e).__name__}: {str(e)[:120]}"
+    return out
+
+
+def section_budget(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), chunks=None):
+    """Where a rank's block time goes, op by op, against the native block split N ways."""
+    from comfy.ldm.minimax_h3 import kernels
+    from comfy.ldm.minimax_h3.embedding import rope_rotation_table
+    from comfy.ldm.minimax_h3.modulation import mod_gate, norm_scale_shift
+    from comfy.ldm.minimax_h3.ulysses import DEFAULT_CHUNKS
+    chunks = chunks or DEFAULT_CHUNKS
+    block, heads, dim, hidden = ours.blocks[0], 56, 128, 5376
+    attn, mlp = block.attn, block.mlp
+    rows = out["budget"] = {"note": BUDGET_NOTE.format(chunks=chunks), "chunks": chunks, "resolutions": {}}
+    g = torch.Generator("cuda").manual_seed(11)
+    t_emb = torch.randn(2, 2688, generator=g, device="cuda").bfloat16()
+    cudnn_first = kernels.SDPA_PRIORITY
+    flash_first = [kernels.SDPBackend.FLASH_ATTENTION] + [b for b in cudnn_first if b != kernels.SDPBackend.FLASH_ATTENTION]
+    with torch.no_grad():
+        shift, scale, gate = (t[:2] for t in block.adaln_proj(t_emb)[:3])
+        for res in res_list:
+            seq = tokens(res)
+            per_world = {}
+            for world in worlds:
+                s = -(-seq // world)
+                sp = _ulysses(world, seq, heads, dim, chunks=chunks) if world > 1 else None
+                h_r = -(-heads // world)
+                x = torch.randn(s, hidden, generator=g, device="cuda").bfloat16()
+                mods = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)]
+                rope = rope_rotation_table(torch.randn(s, 96, generator=g, device="cuda"), torch.bfloat16)
+                qkv = attn.qkv_proj(x)
+                w = attn.q_norm.weight
+                sizes = [heads] if sp is None else [c[0] for c in sp.chunk_sizes]
+                full = [torch.randn(seq, 3, c, dim, generator=g, device="cuda").bfloat16() for c in sizes]
+                o = torch.randn(s, hidden, generator=g, device="cuda").bfloat16()
+                a = torch.randn(s, heads * dim, generator=g, device="cuda").bfloat16()  # attention output rows
+                fc1_out = mlp.fc1(x)
+
+                def rms_rope():
+                    q, k, _ = qkv.split(heads * dim, dim=-1)
+                    kernels.rms_rope_(q.view(1, s, heads, dim), k.view(1, s, heads, dim), rope, w, w, 1e-5)
+
+                def attention():
+                    for f, c in zip(full, sizes):
+                        kernels.attention(f[:, 0], f[:, 1], f[:, 2], c, {}).contiguous()
+
+                ops = {"adaln_proj": (lambda: block.adaln_proj.project(t_emb), 1),
+                       "norm_modulation": (lambda: norm_scale_shift(block.norm1, x, shift, scale, mods), 2),
+                       "qkv_proj": (lambda: attn.qkv_proj(x), 1),
+                       "rms_rope": (rms_rope, 1),
+                       "attention": (attention, 1),
+                       "out_proj": (lambda: attn.out_proj(a), 1),
+                       "gate_residual": (lambda: mod_gate(x.clone(), gate, o, mods), 2),
+                       "fc1": (lambda: mlp.fc1(x), 1),
+                       "swiglu_fc2": (lambda: kernels.swiglu_linear(mlp.fc2, fc1_out), 1)}
+                if sp is not None:
+                    qkv4 = qkv.view(s, 3, heads, dim)
+                    ops["pack"] = (lambda: sp.pack_heads(qkv4), 1)
+                    pieces = [a[:, :sp.chunk_sizes[c][j] * dim].contiguous() for j in range(world) for c in range(sp.chunks)]
+                    ops["unpack_cat"] = (lambda: torch.cat(pieces, dim=1), 1)
+                r = {"rows": s, "heads": h_r, "ops": {}}
+                for name, (fn, count) in ops.items():
+                    r["ops"][name] = {"s": gpu_kernel_s(fn), "count": count}
+                kernels.SDPA_PRIORITY = flash_first
+                r["attention_flash_first_s"] = gpu_kernel_s(attention)
+                kernels.SDPA_PRIORITY = cudnn_first
+                r["gate_residual_clone_s"] = gpu_kernel_s(lambda: x.clone())  # the clone inside the gate_residual timing
+                r["ops"]["gate_residual"]["s"] -= r["gate_residual_clone_s"]
+                emu = _PipelinedEmulation(world, seq, heads, dim, chunks, None) if world > 1 else None
+                mods_full = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)]
+
+                def whole():
+                    block(x.clone(), t_emb, mods_full, rope, {}, seq_parallel=emu)
+                r["block_kernel_s"] = gpu_kernel_s(whole) - r["gate_residual_clone_s"]
+                r["steady"] = steady_blocks(block, x, t_emb, mods_full, rope, emu, repeat=8)
+                r["block_s"] = cuda_time(whole, 3, 10)["median_s"] - r["gate_residual_clone_s"]
+                r["ops_sum_s"] = sum(v["s"] * v["count"] for v in r["ops"].values())
+                per_world[str(world)] = r
+                del full, qkv, fc1_out, emu, a, o
+            one = per_world["1"]["ops"]
+            for world, r in per_world.items():
+                n = int(world)
+                for name, v in r["ops"].items():
+                    ideal = one[name]["s"] * one[name]["count"] / n if name in one else 0.0
+                    v["ideal_s"] = ideal
+                    v["excess_s"] = v["s"] * v["count"] - ideal
+                r["ideal_block_s"] = per_world["1"]["block_kernel_s"] / n
+                r["ceiling_speedup_kernels"] = per_world["1"]["block_kernel_s"] / r["block_kernel_s"]
+                st = r["steady"]
+                graph = st["graph_block_s"]
+                print(f"budget {res} N={n} steady: block {st['block_s'] * 1e3:.3f} ms, busy {st['busy_s'] * 1e3:.3f}, span "
+                      f"{st['span_s'] * 1e3:.3f}, kernels {st['kernels_per_block']:.0f} ({st['kernels_under_10us_per_block']:.0f} "
+                      f"under 10 us, {st['kernels_under_10us_s'] * 1e3:.3f} ms), graph "
+                      f"{graph * 1e3 if isinstance(graph, float) else graph}", flush=True)
+                print(f"budget {res} N={n}: block {r['block_s'] * 1e3:.3f} ms (kernels {r['block_kernel_s'] * 1e3:.3f}, "
+                      f"ideal {r['ideal_block_s'] * 1e3:.3f}, x{r['ceiling_speedup_kernels']:.2f}); excess ms: " +
+                      ", ".join(f"{k} {v['excess_s'] * 1e3:+.3f}" for k, v in r["ops"].items()) +
+                      f"; attention flash-first {r['attention_flash_first_s'] * 1e3:.3f} vs {r['ops']['attention']['s'] * 1e3:.3f}",
+                      flush=True)
+            rows["resolutions"][res] = {"tokens": seq, "worlds": per_world}
+            save()
+
+
+def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 8), repeat=50, top=12):
+    """Where the GPU idles between kernels in `repeat` blocks back to back (a step), and whether any
+    op in a block synchronizes the host (torch.cuda sync debug mode)."""
+    import warnings
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from comfy.ldm.minimax_h3.embedding import rope_rotation_table
+    block, heads, dim, hidden = ours.blocks[0], 56, 128, 5376
+    rows = out["gaps"] = {"repeat": repeat, "resolutions": {}}
+    t_emb = torch.randn(2, 2688, device="cuda").bfloat16()
+    for res in res_list:
+        seq = tokens(res)
+        per = rows["resolutions"][res] = {"tokens": seq, "worlds": {}}
+        for world in worlds:
+            s = -(-seq // world)
+            sp = _PipelinedEmulation(world, seq, heads, dim, 2, None) if world > 1 else None
+            xs = [torch.randn(s, hidden, device="cuda").bfloat16() for _ in range(4)]
+            rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
+            mods = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)]
+
+            def run(n):
+                with torch.no_grad():
+                    proj = None
+                    for i in range(n):
+                        if sp is not None and i % world == 0:
+                            proj = block.adaln_proj.project(t_emb)
+                        block(xs[i % 4].clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=proj)
+            run(3)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    run(1)
+                    n_block = len(caught)
+                    torch.zeros(1, device="cuda").item()  # positive control: the detector sees a known sync
+                    control = any("synchroniz" in str(w.message) and "prototype" not in str(w.message) for w in caught[n_block:])
+                    del caught[n_block:]
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = sorted({f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}:{w.lineno}: "
+                            f"{str(w.message)[:80]}" for w in caught if "synchroniz" in str(w.message) and "prototype" not in str(w.message)})
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run(repeat)
+                torch.cuda.synchronize()
+            ks = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA))
+            gaps = {}
+            idle = 0.0
+            for (a0, b0, n0), (a1, b1, n1) in zip(ks, ks[1:]):
+                gap = a1 - b0
+                if gap > 0:
+                    idle += gap
+                    key = f"{n0[:60]} -> {n1[:60]}"
+                    g = gaps.setdefault(key, [0.0, 0])
+                    g[0] += gap
+                    g[1] += 1
+            worst = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+            busy = sum(b - a for a, b, _ in ks)
+            per["worlds"][str(world)] = {
+                "host_syncs": syncs, "sync_detector_saw_control": control, "kernels_per_block": len(ks) / repeat, "busy_s_per_block": busy / repeat / 1e6,
+                "idle_s_per_block": idle / repeat / 1e6,
+                "largest_gaps": [{"between": k, "s_per_block": v[0] / repeat / 1e6, "count_per_block": v[1] / repeat} for k, v in worst]}
+            w = per["worlds"][str(world)]
+            print(f"gaps {res} N={world}: {w['kernels_per_block']:.0f} kernels, busy {w['busy_s_per_block'] * 1e3:.3f} ms, idle "
+                  f"{w['idle_s_per_block'] * 1e3:.3f} ms per block; host syncs {syncs or 'none'} (detector control {control}); largest: " +
+                  "; ".join(f"{g['between']} {g['s_per_block'] * 1e6:.1f} us" for g in w["largest_gaps"][:6]), flush=True)
+            del sp, xs
+            save()
 
 
 def section_fusions(out, seq=15356, hidden=5376, ffn=14336):
@@ -456,6 +755,8 @@ def section_kernels(out, seq=15356):
         packer = _ulysses(world, seq, heads, dim)
         res[f"qkv_pack_cat_N{world}_s"] = cuda_time(lambda: torch.cat([x[:, :, a:b].reshape(-1) for a, b in bounds]), 3, 10)["median_s"]
         res[f"qkv_pack_one_copy_N{world}_s"] = cuda_time(lambda: packer.pack_heads(x), 3, 10)["median_s"]
+        send = torch.empty(x.numel(), dtype=x.dtype, device="cuda")  # the same copy on bf16 elements, not 8-byte words
+        res[f"qkv_pack_one_copy_bf16_elements_N{world}_s"] = cuda_time(lambda: packer._pack_into(send, x), 3, 10)["median_s"]
     out["kernels"] = {"seq": seq, "heads": heads, "head_dim": dim, "results": res}
     print("kernels: " + ", ".join(f"{k}={v if isinstance(v, str) else round(v * 1000, 3)}" for k, v in res.items()), flush=True)
 
@@ -532,9 +833,16 @@ def section_accuracy(ours, out, seq=15356):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="native,accuracy,overlap,fusions,kernels,profile")
+    ap.add_argument("--sections", default="native,accuracy,overlap,budget,gaps,fusions,kernels,profile")
     ap.add_argument("--resolutions", default=",".join(RESOLUTIONS))
     ap.add_argument("--layers", type=int, default=None, help="fewer blocks for a quick check")
+    ap.add_argument("--chunks", default="1,2,4", help="overlap: all-to-all pipeline depths")
+    ap.add_argument("--shared-chunks", default="", help="overlap: depths also run with the adaLN projections shared")
+    ap.add_argument("--bandwidths", default="360,180", help="overlap: emulated all-to-all bandwidths, GB/s")
+    ap.add_argument("--rounds", type=int, default=3, help="overlap: interleaved rounds")
+    ap.add_argument("--no-unfused", action="store_true", help="overlap: skip the unfused-adaLN reference")
+    ap.add_argument("--repeat", type=int, default=8, help="overlap: blocks back to back per timing (50 = one H3 step)")
+    ap.add_argument("--graphs", action="store_true", help="overlap: also the shared-adaLN block replayed from a CUDA graph")
     args = ap.parse_args()
     comfy_dir = os.environ.get("COMFYUI_DIR")
     if not comfy_dir:
@@ -567,7 +875,16 @@ def main():
         section_accuracy(ours, out)
         save()
     if "overlap" in sections:
-        section_overlap(res_list, ours, out, save)
+        ints = lambda v: tuple(int(c) for c in v.split(",") if c)  # noqa: E731
+        section_overlap(res_list, ours, out, save, bandwidths=tuple(b * 1e9 for b in ints(args.bandwidths)),
+                        chunk_list=ints(args.chunks), rounds=args.rounds, shared_chunks=ints(args.shared_chunks),
+                        unfused=not args.no_unfused, repeat=args.repeat, graphs=args.graphs)
+        save()
+    if "gaps" in sections:
+        section_gaps(res_list, ours, out, save)
+        save()
+    if "budget" in sections:
+        section_budget(res_list, ours, out, save)
         save()
     if "fusions" in sections:
         section_fusions(out)

@@ -41,6 +41,9 @@ H3_JSON = "h3_h200.json"
 H3_BASELINE_JSON = "h3_h200_baseline.json"
 H3_OVERLAP_JSON = "h3_h200_overlap.json"
 H3_PROFILE_JSON = "h3_h200_accuracy_profile.json"
+H3_BUDGET_JSON = "h3_h200_budget.json"
+H3_GAPS_JSON = "h3_h200_gaps.json"
+H3_SHARED_JSONS = ("h3_h200_shared_adaln_15k.json", "h3_h200_shared_adaln_38k.json")
 
 PARALLEL_JSON = "parallel_cpu.json"
 SNAPSHOT_JSON = "snapshot_cpu.json"
@@ -300,9 +303,115 @@ def t_scaling(results):
                         + [f_speedup(target) if target else "—", met, f_ms_from_s(default.get("host_s"))])
     out += table(header, rows)
     out += ["", "Speed-up: the native block (N = 1, all rows, 56 heads) / the per-rank block at N. No transfers: the sharded "
-                "block with the all-to-alls left out (the compute ceiling: what stays replicated per rank, such as the adaLN "
-                "projection's weight reads and the q|k|v packing, keeps it under N). Chunks: UlyssesAttention's pipeline depth. "
+                "block with the all-to-alls left out (the compute ceiling: what stays replicated per rank keeps it under N). This "
+                "run predates the shared adaLN projections and the 8-byte-word q|k|v pack (next table). Chunks: "
+                "UlyssesAttention's pipeline depth. "
                 f"Method (from the JSON): {sec.get('note', '?')}." + (f" Provenance: {sec['source']}." if sec.get("source") else "")]
+    return out
+
+
+def _repeat(d, sec):
+    """Blocks back to back per timing (older JSONs say it only in their command line; default 8)."""
+    if sec.get("repeat"):
+        return sec["repeat"]
+    m = re.search(r"--repeat (\d+)", (d.get("machine") or {}).get("command", ""))
+    return int(m.group(1)) if m else 8
+
+
+def t_scaling_shared(results):
+    found = [(name, d, d["overlap_emulation"]) for name in H3_SHARED_JSONS for d in [load(results, name)]
+             if d and (d.get("overlap_emulation") or {}).get("resolutions")]
+    if not found:
+        raise Skip(f"none of {', '.join(H3_SHARED_JSONS)} found")
+    c = DEFAULT_CHUNKS
+    header = ["resolution (WxHxF)", "tokens", "N", "blocks per timing", "per-rank adaLN, transfers", "shared adaLN, transfers "
+              "(current code)", "shared, no transfers", "shared, no transfers, both in CUDA graphs", "issue target",
+              "met (current code)"]
+    rows, natives, bws = [], [], set()
+    for name, d, sec in found:
+        for res, r in sec["resolutions"].items():
+            one = (r.get("worlds") or {}).get("1") or {}
+            native_graph = one.get("graph_block_s")
+            if _num(native_graph):
+                natives.append(f"{res}: eager {f_ms_from_s(one.get('block_s'))} ms, CUDA graph {f_ms_from_s(native_graph)} ms")
+            for n, w in _worlds(r):
+                if n == 1:
+                    continue
+                times = w.get("times") or {}
+                bw = sorted({int(m.group(1)) for k in times for m in [re.fullmatch(rf"chunks{c}_bw(\d+)_shared_adaln", k)] if m},
+                            reverse=True)
+                if not bw:
+                    continue
+                bws.add(bw[0])
+                shared = _speedup(w, f"chunks{c}_bw{bw[0]}_shared_adaln")
+                target = TARGETS.get(n)
+                graph = ((times.get(f"chunks{c}_no_comm_shared_adaln_graph") or {}).get("block_s"))
+                graph_speedup = native_graph / graph if _num(native_graph) and _num(graph) and graph else None
+                rows.append([res, f_int(r.get("tokens")), n, _repeat(d, sec), f_speedup(_speedup(w, f"chunks{c}_bw{bw[0]}")),
+                             f_speedup(shared), f_speedup(_speedup(w, f"chunks{c}_no_comm_shared_adaln")),
+                             f_speedup(graph_speedup), f_speedup(target) if target else "—",
+                             ("yes" if shared >= target else "no") if target and _num(shared) else "—"])
+    out = [caption(f"Sequence-parallel scaling with the adaLN projections shared across ranks ({c} chunks, transfers at "
+                   f"{', '.join(str(b) for b in sorted(bws))} GB/s).", ", ".join(n for n, _, _ in found), gpu_machine(found[0][1])), ""]
+    out += table(header, rows)
+    out += ["", "Speed-up over the native block (N = 1), one DiT block per rank on one GPU, all-to-alls emulated as in the "
+                "scaling table above. Per-rank adaLN: every rank projects every block's modulation (before); shared adaLN: "
+                "each rank projects one block in N and an all-gather shares them (`UlyssesAttention.adaln_projections`). "
+                "Blocks per timing 50 = one H3 step back to back, so the host's lead and per-kernel launch gaps are as in a "
+                "real step. Both in CUDA graphs: the native block's graph replay over the rank block's (each block captured "
+                "once, replayed back to back); graphs speed up the native block about as much as a rank's, so capture would "
+                "not close the scaling gap."
+                + (" Native block, eager vs CUDA graph: " + "; ".join(natives) + "." if natives else "")]
+    return out
+
+
+def t_budget(results):
+    d = load(results, H3_BUDGET_JSON)
+    if d is None:
+        raise Skip(f"{H3_BUDGET_JSON} not found")
+    sec = d.get("budget") or {}
+    if not sec.get("resolutions"):
+        raise Skip(f"{H3_BUDGET_JSON} has no 'budget' section")
+    res, r = next(iter(sec["resolutions"].items()))
+    worlds = sorted(int(n) for n in r["worlds"])
+    top = worlds[-1]
+    one, last = r["worlds"]["1"], r["worlds"][str(top)]
+    out = [caption(f"Where a rank's block time goes at {res} ({f_int(r.get('tokens'))} tokens): GPU kernel time per op, native "
+                   f"(N = 1) vs rank 0 of an N-way shard, milliseconds per block.", H3_BUDGET_JSON, gpu_machine(d)), ""]
+    header = ["op", "calls / block", "N = 1", f"N = {top}", f"N = {top} ideal (N = 1 / {top})"]
+    header += [f"excess at N = {n}" for n in reversed(worlds) if n > 1]
+    rows = []
+    for name, v in last["ops"].items():
+        base = one["ops"].get(name)
+        rows.append([f"`{name}`", v["count"], f_ms_from_s(base["s"] * base["count"]) if base else "—",
+                     f_ms_from_s(v["s"] * v["count"]), f_ms_from_s(v.get("ideal_s"))]
+                    + [f"{r['worlds'][str(n)]['ops'][name]['excess_s'] * 1e3:+.3f}" if name in r["worlds"][str(n)]["ops"] else "—"
+                       for n in reversed(worlds) if n > 1])
+    rows.append(["whole block, kernels", "", f_ms_from_s(one["block_kernel_s"]), f_ms_from_s(last["block_kernel_s"]),
+                 f_ms_from_s(last["ideal_block_s"])]
+                + [f"{(r['worlds'][str(n)]['block_kernel_s'] - r['worlds'][str(n)]['ideal_block_s']) * 1e3:+.3f}"
+                   for n in reversed(worlds) if n > 1])
+    out += table(header, rows, ["l"] + ["r"] * (len(header) - 1))
+    steady = [f"N = {n}: event {f_ms_from_s(w['steady']['block_s'])} ms, GPU busy {f_ms_from_s(w['steady']['busy_s'])} ms, "
+              f"CUDA graph {f_ms_from_s(w['steady']['graph_block_s']) if _num(w['steady'].get('graph_block_s')) else '—'} ms, "
+              f"{w['steady']['kernels_per_block']:.0f} kernels"
+              for n, w in sorted(((int(n), w) for n, w in r["worlds"].items()), key=lambda x: x[0]) if w.get("steady")]
+    gaps = load(results, H3_GAPS_JSON)
+    idle = []
+    if gaps and (gaps.get("gaps") or {}).get("resolutions", {}).get(res):
+        g = gaps["gaps"]
+        for n, w in sorted(((int(n), w) for n, w in g["resolutions"][res]["worlds"].items()), key=lambda x: x[0]):
+            idle.append(f"N = {n}: {w['kernels_per_block']:.0f} kernels, GPU busy {f_ms_from_s(w['busy_s_per_block'])} ms, idle "
+                        f"{f_ms_from_s(w['idle_s_per_block'])} ms per block, host syncs: "
+                        f"{'none' if not w['host_syncs'] else len(w['host_syncs'])}"
+                        f"{'' if w.get('sync_detector_saw_control') else ' (detector unverified)'}")
+    out += ["", "Each op timed alone (profiler kernel time, inputs may sit in L2, so ops run a little faster than inside a "
+                "block). Excess: per-block time at N minus the N = 1 time / N; what does not shrink with N. "
+                "Eight blocks back to back, per block: " + "; ".join(steady) + f". Method (from the JSON): {sec.get('note', '?')}."]
+    if idle:
+        out += ["", f"Idle time between kernels over {gaps['gaps']['repeat']} blocks back to back (profiler, shared adaLN, "
+                    f"`{H3_GAPS_JSON}`; host syncs checked with torch.cuda's sync debug mode, which flags a known `.item()`): "
+                    + "; ".join(idle) + "."]
     return out
 
 
@@ -310,13 +419,13 @@ ATTN_BACKENDS = (("flash", "flash"), ("efficient", "memory-efficient"), ("cudnn"
 
 
 def t_kernels(results):
-    d = load(results, H3_JSON)
-    if d is None:
-        raise Skip(f"{H3_JSON} not found")
-    k = d.get("kernels") or {}
-    res = k.get("results")
-    if not res:
-        raise Skip(f"{H3_JSON} has no 'kernels' section")
+    # the newest run with a kernels section (the budget run measured them again with the 8-byte-word pack)
+    found = [(name, d) for name in (H3_BUDGET_JSON, H3_JSON) for d in [load(results, name)] if d and (d.get("kernels") or {}).get("results")]
+    if not found:
+        raise Skip(f"neither {H3_BUDGET_JSON} nor {H3_JSON} has a 'kernels' section")
+    kernels_json, d = found[0]
+    k = d["kernels"]
+    res = k["results"]
     shape = f"S={f_int(k.get('seq'))}, {k.get('heads', '?')} heads x {k.get('head_dim', '?')}, bf16"
     machine = gpu_machine(d)
 
@@ -329,7 +438,7 @@ def t_kernels(results):
     out = []
     # attention backends
     if any(key.startswith("sdpa_") for key in res):
-        out += [caption(f"Kernel choices, attention ({shape}), milliseconds.", H3_JSON, machine), ""]
+        out += [caption(f"Kernel choices, attention ({shape}), milliseconds.", kernels_json, machine), ""]
         rows = [[label, ms(f"sdpa_{name}_strided_qkv_views"), ms(f"sdpa_{name}_contiguous")] for name, label in ATTN_BACKENDS]
         if "h3_kernels_attention" in res:
             rows.append(["`minimax_h3.kernels.attention` (cuDNN-first, as used)", ms("h3_kernels_attention"), "—"])
@@ -341,7 +450,7 @@ def t_kernels(results):
     # fused RMSNorm + rope
     if "rms_rope_fused_kitchen_s" in res or "rms_rope_torch_reference_s" in res:
         fused, ref = res.get("rms_rope_fused_kitchen_s"), res.get("rms_rope_torch_reference_s")
-        out += ["", caption(f"Kernel choices, per-head RMSNorm + rope on q and k ({shape}), milliseconds.", H3_JSON, machine), ""]
+        out += ["", caption(f"Kernel choices, per-head RMSNorm + rope on q and k ({shape}), milliseconds.", kernels_json, machine), ""]
         out += table(["fused (comfy_kitchen) ms", "torch reference ms", "speed-up"],
                      [[ms("rms_rope_fused_kitchen_s"), ms("rms_rope_torch_reference_s"),
                        f_speedup(ref / fused) if _num(ref) and _num(fused) and fused else "—"]], ["r"] * 3)
@@ -351,13 +460,15 @@ def t_kernels(results):
     packs = sorted({int(m.group(1)) for key in res for m in [re.fullmatch(r"qkv_pack_(?:cat|one_copy)_N(\d+)_s", key)] if m})
     if packs:
         out += ["", caption(f"Kernel choices, packing q|k|v head slices for the all-to-all (S/N rows, {shape}), milliseconds.",
-                            H3_JSON, machine), ""]
+                            kernels_json, machine), ""]
         rows = []
+        words = any(key.startswith("qkv_pack_one_copy_bf16_elements_") for key in res)
         for n in packs:
             cat, one = res.get(f"qkv_pack_cat_N{n}_s"), res.get(f"qkv_pack_one_copy_N{n}_s")
-            rows.append([n, ms(f"qkv_pack_cat_N{n}_s"), ms(f"qkv_pack_one_copy_N{n}_s"),
-                         f_speedup(cat / one) if _num(cat) and _num(one) and one else "—"])
-        out += table(["N", "torch.cat of slices ms", "one copy (pack_heads) ms", "speed-up"], rows)
+            rows.append([n, ms(f"qkv_pack_cat_N{n}_s")] + ([ms(f"qkv_pack_one_copy_bf16_elements_N{n}_s")] if words else [])
+                        + [ms(f"qkv_pack_one_copy_N{n}_s"), f_speedup(cat / one) if _num(cat) and _num(one) and one else "—"])
+        out += table(["N", "torch.cat of slices ms"] + (["one copy of bf16 elements ms"] if words else [])
+                     + ["one copy (pack_heads" + (", 8-byte words" if words else "") + ") ms", "speed-up over cat"], rows)
     else:
         out += ["", "<!-- q|k|v pack table skipped: no qkv_pack_cat_N*/qkv_pack_one_copy_N* results -->"]
     return out
@@ -566,6 +677,8 @@ SECTIONS = (
     ("H3 accuracy and step profile", t_accuracy_profile),
     ("H3 native forward before cuDNN-first", t_native_baseline),
     ("sequence-parallel scaling", t_scaling),
+    ("sequence-parallel scaling, shared adaLN", t_scaling_shared),
+    ("per-rank block budget", t_budget),
     ("RMSNorm + adaLN fusion", t_fusions),
     ("kernel choices", t_kernels),
     ("comfy/parallel costs", t_parallel),
