@@ -480,7 +480,6 @@ def steady_blocks(block, x, t_emb, mods, rope, sp, repeat=8):
             for _ in range(repeat):
                 graph.replay()
         out["graph_block_s"] = cuda_time(replay, 3, 10)["median_s"] / repeat
-        del graph
     except Exception as e:  # a kernel that cannot be captured: say so, keep the rest
         out["graph_block_s"] = f"capture failed: {type(e).__name__}: {str(e)[:120]}"
     return out
@@ -560,7 +559,6 @@ def section_budget(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), 
                 r["block_s"] = cuda_time(whole, 3, 10)["median_s"] - r["gate_residual_clone_s"]
                 r["ops_sum_s"] = sum(v["s"] * v["count"] for v in r["ops"].values())
                 per_world[str(world)] = r
-                del full, qkv, fc1_out, emu, a, o
             one = per_world["1"]["ops"]
             for world, r in per_world.items():
                 n = int(world)
@@ -654,7 +652,6 @@ def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 8), repeat=5
             print(f"gaps {res} N={world}: {w['kernels_per_block']:.0f} kernels, busy {w['busy_s_per_block'] * 1e3:.3f} ms, idle "
                   f"{w['idle_s_per_block'] * 1e3:.3f} ms per block; host syncs {syncs or 'none'} (detector control {control}); largest: " +
                   "; ".join(f"{g['between']} {g['s_per_block'] * 1e6:.1f} us" for g in w["largest_gaps"][:6]), flush=True)
-            del sp, xs
             save()
 
 
