@@ -14,6 +14,7 @@ The committed results came from (one H200, trimmed base on COMFYUI_DIR, kitchen/
   --layers 2 --sections overlap                      -> bench/results/h3_h200_overlap.json (via bench/h3_overlap_log.py)
   --layers 2 --sections budget,kernels               -> bench/results/h3_h200_budget.json
   --layers 2 --sections gaps                         -> bench/results/h3_h200_gaps.json
+  --layers 2 --sections fusions                      -> bench/results/h3_h200_fusions_segments.json (segment redo rows)
   --layers 2 --sections overlap --resolutions 832x480x124 --repeat 50 --chunks 2 --shared-chunks 2 --bandwidths 360 \
       --graphs --no-unfused                          -> bench/results/h3_h200_shared_adaln_15k.json
   (the same with --resolutions 1344x768x124 --repeat 8 -> bench/results/h3_h200_shared_adaln_38k.json)
@@ -583,7 +584,7 @@ def section_budget(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), 
             save()
 
 
-def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 8), repeat=50, top=12):
+def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), repeat=50, top=12):
     """Where the GPU idles between kernels in `repeat` blocks back to back (a step), and whether any
     op in a block synchronizes the host (torch.cuda sync debug mode)."""
     import warnings
@@ -644,10 +645,14 @@ def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 8), repeat=5
                     g[1] += 1
             worst = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
             busy = sum(b - a for a, b, _ in ks)
+            by_name = {}
+            for a, b, name in ks:
+                by_name[name[:90]] = by_name.get(name[:90], 0.0) + (b - a)
             per["worlds"][str(world)] = {
                 "host_syncs": syncs, "sync_detector_saw_control": control, "kernels_per_block": len(ks) / repeat, "busy_s_per_block": busy / repeat / 1e6,
                 "idle_s_per_block": idle / repeat / 1e6,
-                "largest_gaps": [{"between": k, "s_per_block": v[0] / repeat / 1e6, "count_per_block": v[1] / repeat} for k, v in worst]}
+                "largest_gaps": [{"between": k, "s_per_block": v[0] / repeat / 1e6, "count_per_block": v[1] / repeat} for k, v in worst],
+                "kernel_s_per_block": {k: v / repeat / 1e6 for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}}
             w = per["worlds"][str(world)]
             print(f"gaps {res} N={world}: {w['kernels_per_block']:.0f} kernels, busy {w['busy_s_per_block'] * 1e3:.3f} ms, idle "
                   f"{w['idle_s_per_block'] * 1e3:.3f} ms per block; host syncs {syncs or 'none'} (detector control {control}); largest: " +
@@ -689,6 +694,15 @@ def section_fusions(out, seq=15356, hidden=5376, ffn=14336):
         res["norm_modulation_unfused_rel_err_vs_fp32"] = rel(mod_scale_shift(norm(x), shift, scale, segments))
         res["norm_modulation_fused_rel_err_vs_fp32"] = rel(norm_scale_shift(norm, x, shift, scale, segments))
         res["norm_modulation_fused_used_kernel"] = kernels.fused_adaln(x)
+        # one segment's rows redone with its own modulation: kitchen's kernel vs torch's rms_norm + one addcmul into place
+        import torch.nn.functional as F2
+        for rows in (64, 512, 2048, 8192):
+            xs, dst = x[:rows], torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+            one = (1.0 + row_scale).to(torch.bfloat16)
+            res[f"segment_kitchen_rms_adaln_{rows}_rows_s"] = gpu_kernel_s(
+                lambda: dst.copy_(kernels.rms_adaln(xs, row_scale, row_shift, 1e-6)))
+            res[f"segment_torch_rms_norm_addcmul_{rows}_rows_s"] = gpu_kernel_s(
+                lambda: torch.addcmul(row_shift, F2.rms_norm(xs, (hidden,), eps=1e-6), one, out=dst))
         gu = torch.randn(seq, 2 * ffn, generator=g, device="cuda").bfloat16()
         res["swiglu_silu_mul_s"] = cuda_time(lambda: F.silu(gu[:, :ffn]).mul_(gu[:, ffn:]), 3, 20)["median_s"]
         res["swiglu_input_bytes"] = gu.numel() * 2

@@ -359,8 +359,8 @@ def t_scaling_shared(results):
                 "each rank projects one block in N and an all-gather shares them (`UlyssesAttention.adaln_projections`). "
                 "Blocks per timing 50 = one H3 step back to back, so the host's lead and per-kernel launch gaps are as in a "
                 "real step. Both in CUDA graphs: the native block's graph replay over the rank block's (each block captured "
-                "once, replayed back to back); graphs speed up the native block about as much as a rank's, so capture would "
-                "not close the scaling gap."
+                "once, replayed back to back); graphs speed up the native block more than a rank's, so capture would not "
+                "close the scaling gap."
                 + (" Native block, eager vs CUDA graph: " + "; ".join(natives) + "." if natives else "")]
     return out
 
