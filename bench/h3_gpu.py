@@ -15,6 +15,7 @@ The committed results came from (one H200, trimmed base on COMFYUI_DIR, kitchen/
   --layers 2 --sections budget,kernels               -> bench/results/h3_h200_budget.json
   --layers 2 --sections gaps                         -> bench/results/h3_h200_gaps.json
   --layers 2 --sections fusions                      -> bench/results/h3_h200_fusions_segments.json (segment redo rows)
+  --layers 2 --sections attention_ab,graph_profile   -> bench/results/h3_h200_attention_ab.json
   --layers 2 --sections overlap --resolutions 832x480x124 --repeat 50 --chunks 2 --shared-chunks 2 --bandwidths 360 \
       --graphs --no-unfused                          -> bench/results/h3_h200_shared_adaln_15k.json
   (the same with --resolutions 1344x768x124 --repeat 8 -> bench/results/h3_h200_shared_adaln_38k.json)
@@ -660,6 +661,76 @@ def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), re
             save()
 
 
+def section_attention_ab(out, seq=15356, rounds=5):
+    """kernels.attention vs the bare cuDNN SDPA call on the same strided q/k/v views, interleaved (is
+    the wrapper free?), plus the bare call followed by the same output reshape."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from comfy.ldm.minimax_h3 import kernels
+    heads, dim = 56, 128
+    qkv = torch.randn(seq, 3 * heads * dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.view(seq, heads, dim) for t in qkv.split(heads * dim, dim=-1))  # [S, H, D] views, as the block has them
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+    def bare():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q4, k4, v4)
+
+    def bare_reshaped():
+        return bare().transpose(1, 2).reshape(seq, heads * dim)
+
+    with torch.no_grad():
+        times = interleaved({"kernels_attention": lambda: kernels.attention(q, k, v, heads, {}), "sdpa_cudnn_bare": bare,
+                             "sdpa_cudnn_bare_reshaped": bare_reshaped}, rounds=rounds, warmup=3, iters=10)
+        o = bare()
+        res = {k: v for k, v in times.items()}
+        res["bare_output_strides"] = list(o.stride())
+    out["attention_ab"] = {"seq": seq, "rounds": rounds, "results": res}
+    print("attention_ab: " + ", ".join(f"{k}={v * 1e3:.3f} ms" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()),
+          flush=True)
+
+
+def section_graph_profile(ours, out, res="832x480x124", n=10):
+    """Kernel time per kernel name of the native block run eagerly vs replayed from a CUDA graph:
+    which kernels run faster in the graph."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from comfy.ldm.minimax_h3.embedding import rope_rotation_table
+    block, seq = ours.blocks[0], tokens(res)
+    x = torch.randn(seq, 5376, device="cuda").bfloat16()
+    t_emb = torch.randn(2, 2688, device="cuda").bfloat16()
+    rope = rope_rotation_table(torch.randn(seq, 96, device="cuda"), torch.bfloat16)
+    mods = [(0, 512, 1), (512, seq, 0)]
+    with torch.no_grad():
+        def eager():
+            block(x.clone(), t_emb, mods, rope, {})
+        g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            eager(), eager()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(g):
+            eager()
+        result = {}
+        for name, fn in (("eager", eager), ("graph", g.replay), ("eager_2", eager), ("graph_2", g.replay)):
+            fn(), fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    fn()
+                torch.cuda.synchronize()
+            by = {}
+            for e in prof.events():
+                if e.device_type == DeviceType.CUDA:
+                    by[e.name[:90]] = by.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / n / 1e6
+            result[name] = dict(sorted(by.items(), key=lambda kv: -kv[1]))
+            print(f"graph_profile {name}: total {sum(by.values()) * 1e3:.3f} ms; " +
+                  "; ".join(f"{k[:40]} {v * 1e3:.3f}" for k, v in list(result[name].items())[:5]), flush=True)
+    out["graph_profile"] = {"resolution": res, "tokens": seq, "per_block_kernel_s": result}
+
+
 def section_fusions(out, seq=15356, hidden=5376, ffn=14336):
     """RMSNorm + adaLN modulation fused (comfy_kitchen rms_adaln) vs the unfused ops; what SwiGLU's
     activation and v's copy cost."""
@@ -890,6 +961,12 @@ def main():
         section_overlap(res_list, ours, out, save, bandwidths=tuple(b * 1e9 for b in ints(args.bandwidths)),
                         chunk_list=ints(args.chunks), rounds=args.rounds, shared_chunks=ints(args.shared_chunks),
                         unfused=not args.no_unfused, repeat=args.repeat, graphs=args.graphs)
+        save()
+    if "graph_profile" in sections:
+        section_graph_profile(ours, out)
+        save()
+    if "attention_ab" in sections:
+        section_attention_ab(out)
         save()
     if "gaps" in sections:
         section_gaps(res_list, ours, out, save)
