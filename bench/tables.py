@@ -848,6 +848,7 @@ def make_plots(results=RESULTS):
         fig, axes = plt.subplots(2, len(names), figsize=(5.4 * len(names), 8.4), sharex=True, sharey="row", squeeze=False,
                                  gridspec_kw={"height_ratios": [3, 2]})
         colors = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b")
+        current_blocks = {}
         for col, res in enumerate(names):
             top, bottom = axes[0][col], axes[1][col]
             worlds = [(n, w) for n, w in _worlds(resolutions[res]) if n > 1]
@@ -857,6 +858,21 @@ def make_plots(results=RESULTS):
                 curves.append((f"{bw} GB/s, no pipelining", [1.0] + [_speedup(w, f"chunks1_bw{bw}") for _, w in worlds], c, "x", "--"))
                 curves.append((f"{bw} GB/s, {DEFAULT_CHUNKS} chunks (default)",
                                [1.0] + [_speedup(w, f"chunks{DEFAULT_CHUNKS}_bw{bw}") for _, w in worlds], c, "s", "-"))
+            # the current code (shared adaLN projections, 8-byte-word pack), from its own run when there is one
+            for name in H3_SHARED_JSONS:
+                sd = load(results, name)
+                sr = ((sd or {}).get("overlap_emulation") or {}).get("resolutions", {}).get(res)
+                if not sr:
+                    continue
+                sw = dict(_worlds(sr))
+                keys = sorted({k for _, w in sw.items() for k in (w.get("times") or {})
+                               if re.fullmatch(rf"chunks{DEFAULT_CHUNKS}_bw\d+_shared_adaln", k)})
+                blocks = _repeat(sd, sd["overlap_emulation"])
+                for key in keys[:1]:
+                    bw = key.split("_bw")[1].split("_")[0]
+                    curves.append((f"current code (shared adaLN), {bw} GB/s, {DEFAULT_CHUNKS} chunks",
+                                   [1.0] + [_speedup(sw.get(n, {}), key) for n in ns[1:]], "#000000", "D", "-"))
+                    current_blocks[res] = blocks
             tn = [n for n in ns if n in TARGETS]
             for ax, scale in ((top, lambda n, v: v), (bottom, lambda n, v: 100 * v / n)):
                 ax.plot(ns, [scale(n, n) for n in ns], color="#999999", linestyle="--", label="ideal (N)")
@@ -872,7 +888,8 @@ def make_plots(results=RESULTS):
             top.set_yscale("log", base=2)
             top.set_yticks(ns)
             top.set_yticklabels([str(n) for n in ns])
-            top.set_title(f"{res} ({resolutions[res].get('tokens', 0):,} tokens)", fontsize=10)
+            top.set_title(f"{res} ({resolutions[res].get('tokens', 0):,} tokens)"
+                          + (f"; current code timed over {current_blocks[res]} blocks" if res in current_blocks else ""), fontsize=10)
             bottom.set_xticks(ns)
             bottom.set_xticklabels([str(n) for n in ns])
             bottom.set_xlabel("GPUs N (sequence-parallel world size)")
@@ -883,6 +900,7 @@ def make_plots(results=RESULTS):
         axes[1][0].set_ylim(max(0, min(lowest, 100 * min(t / n for n, t in TARGETS.items())) - 4), 101)
         axes[0][-1].legend(fontsize=8, loc="upper left")
         fig.suptitle("H3 sequence parallel: speed-up vs N, one block per rank on one GPU, all-to-alls emulated on a side stream\n"
+                     "coloured: earlier run (every rank projects every block's adaLN); black: current code\n"
                      f"{machine}", fontsize=11)
         fig.tight_layout()
         path = results / PLOT_SCALING
