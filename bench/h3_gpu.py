@@ -346,15 +346,8 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
             # projection runs eagerly into the graph's static input, once every `share` blocks
             share = share or 1  # unshared: every block projects its own (eagerly, as the others do)
             static = block.adaln_proj.project(t_emb)
-            g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
             with torch.no_grad():
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=static)
-                torch.cuda.current_stream().wait_stream(stream)
-                with torch.cuda.graph(g):
-                    block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=static)
+                g = capture(lambda: block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=static))
 
             def replay():
                 t0 = time.perf_counter()
@@ -423,16 +416,35 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
         save()
 
 
-def gpu_kernel_s(fn, n=10):
-    """Seconds of GPU kernel time one call of fn launches (profiler kernel durations; no launch gaps)."""
+def kernel_spans(fn, n=1):
+    """(start_us, end_us, name) of every kernel, copy and memset that n calls of fn run on the GPU,
+    in start order (torch profiler)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    fn(), fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / n / 1e6
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def gpu_kernel_s(fn, n=10):
+    """Seconds of GPU kernel time one call of fn launches (profiler kernel durations; no launch gaps)."""
+    fn(), fn()
+    return sum(b - a for a, b, _ in kernel_spans(fn, n)) / n / 1e6
+
+
+def capture(fn):
+    """fn captured as a CUDA graph, after two warm-up calls on a side stream (as torch.cuda.graph asks)."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 BUDGET_NOTE = ("GPU kernel time (profiler) of each op of one DiT block (layer 0 weights, bf16) at the rows and heads rank 0 of an "
@@ -446,18 +458,13 @@ def steady_blocks(block, x, t_emb, mods, rope, sp, repeat=8):
     """`repeat` blocks back to back (as in a step): event time, the kernel timeline (how much of the
     span the GPU is busy, how many kernels), and the same block replayed from a CUDA graph (no
     launch gaps) -- all per block."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
     xs = [x.clone() for _ in range(repeat)]
 
     def run():
         for xi in xs:
             block(xi, t_emb, mods, rope, {}, seq_parallel=sp)
     out = {"block_s": cuda_time(run, 3, 10)["median_s"] / repeat}
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    spans = [(a, b) for a, b, _ in kernel_spans(run)]
     busy, end = 0.0, None
     for a, b in spans:
         if end is None or a >= end:
@@ -469,14 +476,7 @@ def steady_blocks(block, x, t_emb, mods, rope, sp, repeat=8):
                 "span_s": (spans[-1][1] - spans[0][0]) / repeat / 1e6 if spans else 0.0,
                 "kernels_under_10us_per_block": len(small) / repeat, "kernels_under_10us_s": sum(small) / repeat / 1e6})
     try:
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                block(xs[0], t_emb, mods, rope, {}, seq_parallel=sp)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            block(xs[0], t_emb, mods, rope, {}, seq_parallel=sp)
+        graph = capture(lambda: block(xs[0], t_emb, mods, rope, {}, seq_parallel=sp))
 
         def replay():
             for _ in range(repeat):
@@ -590,9 +590,6 @@ def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), re
     op in a block synchronizes the host (torch.cuda sync debug mode)."""
     import warnings
 
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     from comfy.ldm.minimax_h3.embedding import rope_rotation_table
     block, heads, dim, hidden = ours.blocks[0], 56, 128, 5376
     rows = out["gaps"] = {"repeat": repeat, "resolutions": {}}
@@ -629,11 +626,7 @@ def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), re
                     torch.cuda.set_sync_debug_mode("default")
             syncs = sorted({f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}:{w.lineno}: "
                             f"{str(w.message)[:80]}" for w in caught if "synchroniz" in str(w.message) and "prototype" not in str(w.message)})
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                run(repeat)
-                torch.cuda.synchronize()
-            ks = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA))
+            ks = kernel_spans(lambda: run(repeat))
             gaps = {}
             idle = 0.0
             for (a0, b0, n0), (a1, b1, n1) in zip(ks, ks[1:]):
@@ -694,9 +687,6 @@ def section_attention_ab(out, seq=15356, rounds=5):
 def section_graph_profile(ours, out, res="832x480x124", n=10):
     """Kernel time per kernel name of the native block run eagerly vs replayed from a CUDA graph:
     which kernels run faster in the graph."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     from comfy.ldm.minimax_h3.embedding import rope_rotation_table
     block, seq = ours.blocks[0], tokens(res)
     x = torch.randn(seq, 5376, device="cuda").bfloat16()
@@ -706,25 +696,13 @@ def section_graph_profile(ours, out, res="832x480x124", n=10):
     with torch.no_grad():
         def eager():
             block(x.clone(), t_emb, mods, rope, {})
-        g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            eager(), eager()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(g):
-            eager()
+        g = capture(eager)
         result = {}
         for name, fn in (("eager", eager), ("graph", g.replay), ("eager_2", eager), ("graph_2", g.replay)):
             fn(), fn()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(n):
-                    fn()
-                torch.cuda.synchronize()
             by = {}
-            for e in prof.events():
-                if e.device_type == DeviceType.CUDA:
-                    by[e.name[:90]] = by.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / n / 1e6
+            for a, b, kernel in kernel_spans(fn, n):
+                by[kernel[:90]] = by.get(kernel[:90], 0.0) + (b - a) / n / 1e6
             result[name] = dict(sorted(by.items(), key=lambda kv: -kv[1]))
             print(f"graph_profile {name}: total {sum(by.values()) * 1e3:.3f} ms; " +
                   "; ".join(f"{k[:40]} {v * 1e3:.3f}" for k, v in list(result[name].items())[:5]), flush=True)

@@ -247,14 +247,19 @@ def t_native_baseline(results):
     return out
 
 
-def _overlap(results):
-    d = load(results, H3_OVERLAP_JSON)
+def _section(results, name, key):
+    """(the JSON, its section `key`) when the section has per-resolution results, else Skip."""
+    d = load(results, name)
     if d is None:
-        raise Skip(f"{H3_OVERLAP_JSON} not found")
-    sec = d.get("overlap_emulation") or {}
+        raise Skip(f"{name} not found")
+    sec = d.get(key) or {}
     if not sec.get("resolutions"):
-        raise Skip(f"{H3_OVERLAP_JSON} has no 'overlap_emulation' section")
+        raise Skip(f"{name} has no '{key}' section")
     return d, sec
+
+
+def _overlap(results):
+    return _section(results, H3_OVERLAP_JSON, "overlap_emulation")
 
 
 def _speedup(w, key):
@@ -366,12 +371,7 @@ def t_scaling_shared(results):
 
 
 def t_budget(results):
-    d = load(results, H3_BUDGET_JSON)
-    if d is None:
-        raise Skip(f"{H3_BUDGET_JSON} not found")
-    sec = d.get("budget") or {}
-    if not sec.get("resolutions"):
-        raise Skip(f"{H3_BUDGET_JSON} has no 'budget' section")
+    d, sec = _section(results, H3_BUDGET_JSON, "budget")
     res, r = next(iter(sec["resolutions"].items()))
     worlds = sorted(int(n) for n in r["worlds"])
     top = worlds[-1]
