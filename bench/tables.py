@@ -68,6 +68,17 @@ def load(results, name):
         raise Skip(f"{name} unreadable: {e}")
 
 
+def _section(results, name, key, inner=None):
+    """(the JSON, its non-empty section `key`), with `inner` in the section non-empty when given; else Skip."""
+    d = load(results, name)
+    if d is None:
+        raise Skip(f"{name} not found")
+    sec = d.get(key)
+    if not sec or (inner is not None and not sec.get(inner)):
+        raise Skip(f"{name} has no '{key}' section" + (f" with '{inner}'" if inner else ""))
+    return d, sec
+
+
 def _num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -188,12 +199,7 @@ def _bandwidths(rows):
 # ---------------------------------------------------------------- tables
 
 def t_native(results):
-    d = load(results, H3_JSON)
-    if d is None:
-        raise Skip(f"{H3_JSON} not found")
-    native = d.get("native")
-    if not native:
-        raise Skip(f"{H3_JSON} has no 'native' section")
+    d, native = _section(results, H3_JSON, "native")
     model = d.get("model") or {}
     extra = ""
     if model:
@@ -225,12 +231,7 @@ def t_native(results):
 
 
 def t_native_baseline(results):
-    d = load(results, H3_BASELINE_JSON)
-    if d is None:
-        raise Skip(f"{H3_BASELINE_JSON} not found")
-    native = d.get("native")
-    if not native:
-        raise Skip(f"{H3_BASELINE_JSON} has no 'native' section")
+    d, native = _section(results, H3_BASELINE_JSON, "native")
     out = [caption("Before cuDNN-first: the same forward when ours used upstream's kernels (earlier run).",
                    H3_BASELINE_JSON, gpu_machine(d)), ""]
     header = ["run", "resolution (WxHxF)", "tokens", "n", "upstream s", "ours s", "ours / upstream",
@@ -247,19 +248,8 @@ def t_native_baseline(results):
     return out
 
 
-def _section(results, name, key):
-    """(the JSON, its section `key`) when the section has per-resolution results, else Skip."""
-    d = load(results, name)
-    if d is None:
-        raise Skip(f"{name} not found")
-    sec = d.get(key) or {}
-    if not sec.get("resolutions"):
-        raise Skip(f"{name} has no '{key}' section")
-    return d, sec
-
-
 def _overlap(results):
-    return _section(results, H3_OVERLAP_JSON, "overlap_emulation")
+    return _section(results, H3_OVERLAP_JSON, "overlap_emulation", "resolutions")
 
 
 def _speedup(w, key):
@@ -372,7 +362,7 @@ def t_scaling_shared(results):
 
 
 def t_budget(results):
-    d, sec = _section(results, H3_BUDGET_JSON, "budget")
+    d, sec = _section(results, H3_BUDGET_JSON, "budget", "resolutions")
     res, r = next(iter(sec["resolutions"].items()))
     worlds = sorted(int(n) for n in r["worlds"])
     top = worlds[-1]
@@ -476,12 +466,7 @@ def t_kernels(results):
 
 
 def t_parallel(results):
-    d = load(results, PARALLEL_JSON)
-    if d is None:
-        raise Skip(f"{PARALLEL_JSON} not found")
-    rows_in = d.get("results")
-    if not rows_in:
-        raise Skip(f"{PARALLEL_JSON} has no 'results'")
+    d, rows_in = _section(results, PARALLEL_JSON, "results")
     out = [caption("comfy/parallel costs on CPU (gloo): start-up to ready and op round trips.", PARALLEL_JSON, cpu_machine(d)), ""]
     header = ["N", "start-up to ready s (mean)", "min–max s", "spawn + import s", "rendezvous + probe + setup ms",
               "empty op ms mean / p50 / p95", "op with 4 KiB input ms mean / p50 / p95", "close s"]
@@ -511,12 +496,7 @@ def t_parallel(results):
 
 
 def t_snapshot(results):
-    d = load(results, SNAPSHOT_JSON)
-    if d is None:
-        raise Skip(f"{SNAPSHOT_JSON} not found")
-    snap = d.get("snapshot")
-    if not snap:
-        raise Skip(f"{SNAPSHOT_JSON} has no 'snapshot' section")
+    d, snap = _section(results, SNAPSHOT_JSON, "snapshot")
     lora = d.get("lora") or {}
     what = d.get("benchmark") or "patch snapshot"
     med = f", median of {d['median_of']}" if d.get("median_of") else ""
@@ -600,10 +580,7 @@ def t_patch_check(results):
 
 
 def t_fusions(results):
-    d = load(results, H3_PROFILE_JSON)
-    if d is None or not (d.get("fusions") or {}).get("results"):
-        raise Skip(f"{H3_PROFILE_JSON} not found or has no 'fusions' section")
-    f = d["fusions"]
+    d, f = _section(results, H3_PROFILE_JSON, "fusions", "results")
     r = f["results"]
     shape = f"{f_int(f.get('seq'))} x {f.get('hidden')} bf16, {len(f.get('segments', []))} mod segments"
     out = [caption(f"RMSNorm + adaLN modulation, fused vs unfused ({shape}), one call; error vs an fp32 reference.",
