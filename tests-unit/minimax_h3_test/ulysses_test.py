@@ -14,8 +14,11 @@ from h3_cases import plan_for, tiny_model
 CASES = [(kind, None) for kind in INPUT_KINDS] + [("t2va", 9), ("refs_all", 9)]
 
 
-def _parity(rank, world, dtype="float32", cases=None, shapes=((5, 7), (6, 8)), overrides=None, chunks=2):
+def _parity(rank, world, dtype="float32", cases=None, shapes=((5, 7), (6, 8)), overrides=None, chunks=2, training=False):
     dt = getattr(torch, dtype)
+    if training:  # ComfyUI's training mode: the out-of-place q/k norm + rope kernel, normed up front
+        from comfy.ldm.minimax_h3 import kernels
+        kernels.in_training = lambda: True
     report = []
     for kind, curve in cases or CASES:
         model, cfg = tiny_model(dtype=dt, curve=curve, **(overrides or {}))
@@ -57,6 +60,13 @@ def test_pipelined_chunks_match_native(run_ranks, world, chunks):
         assert err <= 1e-5, f"{kind} chunks={chunks} height={height} S={seq}: relative error {err:.2e}"
 
 
+def test_out_of_place_qk_norm_matches_native(run_ranks):
+    # in training the fused norm + rope kernel returns new tensors: q|k|v is normed whole before the exchange
+    report = run_ranks(_parity, 2, kwargs={"cases": [["refs_all", 9]], "training": True}, timeout=120)[0]
+    for kind, curve, height, seq, err in report:
+        assert err <= 1e-5, f"{kind} height={height} S={seq}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("heads,world,chunks,expect", [(56, 8, 2, 2), (56, 8, 16, 7), (8, 3, 2, 2), (4, 3, 2, 1)])
 def test_chunk_heads_cover_every_head_in_order(heads, world, chunks, expect):
     from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
@@ -65,10 +75,16 @@ def test_chunk_heads_cover_every_head_in_order(heads, world, chunks, expect):
     for rank in range(world):
         sp = UlyssesAttention(plan.shard(world, rank, heads), heads, 8, chunks=chunks)
         assert sp.chunks == expect
-        # concatenation order of attention() (rank-major, then chunk) must be the global head order
-        order = [sp.chunk_heads[c][j] for j in range(world) for c in range(sp.chunks)]
+        # concatenation order of attention() (chunk-major, then rank) must be the global head order
+        order = [sp.chunk_heads[c][j] for c in range(sp.chunks) for j in range(world)]
         assert [h for a, b in order for h in range(a, b)] == list(range(heads))
         assert all(b > a for ranges in sp.chunk_heads for a, b in ranges)
+        # each chunk is one contiguous span of the global heads (prepare() gets one slice per chunk)
+        assert sp.chunk_span == [(ranges[0][0], ranges[-1][1]) for ranges in sp.chunk_heads]
+        # every rank holds the ShardPlan's head count; with one chunk, exactly its head range
+        assert [sum(sp.chunk_sizes[c][j] for c in range(sp.chunks)) for j in range(world)] == sp.heads
+        if sp.chunks == 1:
+            assert [tuple(r) for r in sp.chunk_heads[0]] == list(plan.shard(world, rank, heads).head_ranges)
 
 
 @pytest.mark.parametrize("heads,world,chunks", [(8, 2, 1), (8, 2, 3), (56, 8, 2), (8, 3, 2), (12, 4, 2)])
@@ -84,6 +100,42 @@ def test_pack_heads_lays_out_every_piece(heads, world, chunks, dtype, dim):
     expect = torch.cat([qkv[:, :, a:b].reshape(-1) for ranges in sp.chunk_heads for a, b in ranges])
     send = sp.pack_heads(qkv)
     assert send.dtype == dtype and torch.equal(send, expect)
+
+
+@pytest.mark.parametrize("heads,world,chunks", [(8, 2, 2), (8, 3, 2), (56, 8, 2), (12, 4, 3)])
+def test_each_chunk_is_prepared_just_before_it_is_sent(heads, world, chunks):
+    # prepare(a, b) runs once per chunk on its global head span, after the previous chunk's q|k|v
+    # all-to-all was issued (so its transfer overlaps the work) and before this chunk is packed (so
+    # what leaves is the prepared data); exchanges recorded without a process group
+    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+    model, cfg = tiny_model()
+    plan, _, _ = plan_for(model, cfg)
+    events, dim = [], 4
+
+    class Recording(UlyssesAttention):
+        def _a2a(self, recv, send, out_splits, in_splits):
+            events.append(("a2a", send.clone()))
+            recv.zero_()
+            return type("Done", (), {"wait": lambda self: None})()
+
+    sp = Recording(plan.shard(world, 0, heads), heads, dim, chunks=chunks)
+    qkv = torch.randn(sp.rows[0], 3, heads, dim)
+    expected = qkv.clone()
+    expected[:, :2] *= 2
+
+    def prepare(a, b):
+        events.append(("prepare", (a, b)))
+        qkv[:, :2, a:b] *= 2
+
+    out = sp.attention(qkv, {}, prepare=prepare)
+    assert out.shape == (sp.rows[0], heads * dim)
+    n = sp.chunks
+    # prepare 0, send 0; then per chunk c: prepare and send c + 1 (if any), chunk c's output exchange
+    expect = ["prepare", "a2a"] + sum(((["prepare", "a2a"] if c + 1 < n else []) + ["a2a"] for c in range(n)), [])
+    assert [e[0] for e in events] == expect
+    assert [e[1] for e in events if e[0] == "prepare"] == sp.chunk_span
+    sent = [b[1] for a, b in zip(events, events[1:]) if a[0] == "prepare"]  # the q|k|v exchanges
+    assert torch.equal(torch.cat(sent), sp.pack_heads(expected))
 
 
 def test_chunks_must_be_positive():

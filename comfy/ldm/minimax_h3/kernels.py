@@ -82,10 +82,15 @@ def rms_rope_(q, k, rope, q_weight, k_weight, eps):
     rope: [1, S, 1, rot/2, 2, 2] rotation table. Returns (q, k).
     """
     rot = rope.shape[-3] * 2
-    if in_training():
+    if not rms_rope_in_place():
         return _ck.rms_rope_split_half(q, k, rope, q_weight, k_weight, epsilon=eps, rot_dim=rot)
     _ck.rms_rope_split_half_(q, k, rope, q_weight, k_weight, epsilon=eps, rot_dim=rot)
     return q, k
+
+
+def rms_rope_in_place():
+    """Whether rms_rope_ writes into q and k (inference); in training it returns new tensors."""
+    return not in_training()
 
 
 def fused_adaln(x):

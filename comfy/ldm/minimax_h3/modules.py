@@ -43,24 +43,31 @@ class Attention(nn.Module):
     def forward(self, x, rope_freqs=None, transformer_options={}, seq_parallel=None):
         # x: [s, hidden] local rows -> [s, hidden]
         s, heads, dim = x.shape[0], self.heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [s, 3*H*D] = [q | k | v]
-        q, k, v = qkv.split(heads * dim, dim=-1)
-        if rope_freqs is not None:
-            # fused per-head RMSNorm + partial split-half rope, in place on the qkv buffer
-            qw = kernels.cast_to(self.q_norm.weight, x.device)
-            kw = kernels.cast_to(self.k_norm.weight, x.device)
-            q, k = kernels.rms_rope_(q.view(1, s, heads, dim), k.view(1, s, heads, dim), rope_freqs, qw, kw, self.q_norm.eps)
-            q, k = q[0], k[0]
-        else:
-            q = self.q_norm(q.view(s, heads, dim))
-            k = self.k_norm(k.view(s, heads, dim))
-        if seq_parallel is not None and seq_parallel.world_size > 1:
-            if q.data_ptr() != qkv.data_ptr():  # out-of-place norm/rope: repack for the one all-to-all
-                qkv = torch.stack([q, k, v.view(s, heads, dim)], dim=1)
-            out = seq_parallel.attention(qkv.view(s, 3, heads, dim), transformer_options)
-        else:
-            out = kernels.attention(q, k, v.view(s, heads, dim), heads, transformer_options)
+        qkv = self.qkv_proj(x).view(s, 3, heads, dim)  # [q | k | v]
+        if seq_parallel is None or seq_parallel.world_size == 1:
+            q, k = self.norm_qk(qkv, 0, heads, rope_freqs)
+            out = kernels.attention(q, k, qkv[:, 2], heads, transformer_options)
+        elif rope_freqs is not None and kernels.rms_rope_in_place():
+            # each chunk's heads are normed in place just before their all-to-all, overlapping the previous chunk's transfer
+            out = seq_parallel.attention(qkv, transformer_options, prepare=lambda a, b: self.norm_qk(qkv, a, b, rope_freqs))
+        else:  # out-of-place norm (training, or no rope): normed up front into a new q|k|v buffer
+            q, k = self.norm_qk(qkv, 0, heads, rope_freqs)
+            out = seq_parallel.attention(torch.stack([q, k, qkv[:, 2]], dim=1), transformer_options)
         return self.out_proj(out)
+
+    def norm_qk(self, qkv, a, b, rope_freqs=None):
+        """(q, k) of heads [a, b) of qkv [s, 3, H, D], per-head RMSNormed and, with rope_freqs, roped.
+
+        With rope and kernels.rms_rope_in_place() the fused kernel writes into qkv and the results
+        are views of it; otherwise they are new tensors.
+        """
+        q, k = qkv[:, 0, a:b], qkv[:, 1, a:b]  # [s, h, D] views
+        if rope_freqs is None:
+            return self.q_norm(q), self.k_norm(k)
+        qw = kernels.cast_to(self.q_norm.weight, qkv.device)
+        kw = kernels.cast_to(self.k_norm.weight, qkv.device)
+        q, k = kernels.rms_rope_(q.unsqueeze(0), k.unsqueeze(0), rope_freqs, qw, kw, self.q_norm.eps)
+        return q[0], k[0]
 
 
 class MLP(nn.Module):

@@ -108,7 +108,8 @@ class ShardPlan:
     rank: int
     world_size: int
     row_ranges: tuple           # (start, stop) of every rank, contiguous and balanced
-    head_ranges: tuple          # (start, stop) heads of every rank after the all-to-all
+    head_ranges: tuple          # (start, stop) heads of every rank after the all-to-all (pipelined chunks keep
+                                # the counts and order heads chunk-major: UlyssesAttention.chunk_heads)
     pieces: tuple
     mod_segments: tuple         # local (start, stop, mod_row)
     video_seg: tuple            # local (start, stop, t_row) of the target video rows held

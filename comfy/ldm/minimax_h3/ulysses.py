@@ -1,14 +1,14 @@
 """Ulysses sequence parallelism for H3: the only place where H3 issues collectives.
 
 Each rank holds a contiguous, balanced block of rows (uneven by at most one row) and, inside
-attention, a contiguous block of heads (uneven by at most one head, so any world size up to the
+attention, a balanced share of the heads (uneven by at most one head, so any world size up to the
 head count works without padding). Two all-to-alls per block, both with exact split sizes, so no
 padding row ever exists, let alone acts as a key:
 
   packed q|k|v   [s_r, 3, H, D]   --all_to_all-->  [S, 3, h_r, D]   (S = sum of s_i)
   attention out  [S, h_r * D]     --all_to_all-->  [s_r, H * D]
 
-Both are cut by head into pipelined chunks so transfers overlap attention (UlyssesAttention). Once
+Both are cut by head into pipelined chunks so transfers overlap compute (UlyssesAttention). Once
 per step an all-gather shares the blocks' adaLN projections, each computed by one rank.
 
 With one rank nothing here is called: the model runs its native path.
@@ -27,13 +27,19 @@ DEFAULT_CHUNKS = 2
 
 
 class UlyssesAttention:
-    """All-to-all attention over `group` for the rows and heads a ShardPlan assigns.
+    """All-to-all attention over `group` for the rows and head counts a ShardPlan assigns.
 
     With ``chunks`` > 1 every rank's heads are cut into that many balanced sub-ranges and the
-    exchange is pipelined per chunk: chunk c+1's q|k|v all-to-all and chunk c-1's output
-    all-to-all are in flight while chunk c's attention runs, so only the first chunk's input and
-    the last chunk's output transfer stay on the critical path. Collectives are issued in the same
-    order on every rank (``chunks`` is a step-wide setting), as NCCL requires.
+    exchange is pipelined per chunk: chunk c's q|k|v leave as soon as that chunk's heads are
+    normed and packed (while the next chunk's are), chunk c+1's input and chunk c-1's output are in
+    flight while chunk c's attention runs, so only the last chunk's output transfer (and whatever of
+    the first input transfer the next chunk's preparation does not cover) stays on the critical path.
+
+    Head order is chunk-major: chunk c owns a contiguous range of the global heads, split rank-major
+    among the ranks (``chunk_heads[c][j]``), so "prepare the heads of chunk c" is one slice of
+    every local row and the output pieces concatenate back in global order. With one chunk this is
+    exactly the ShardPlan's ``head_ranges``. Collectives are issued in the same order on every rank
+    (``chunks`` is a step-wide setting), as NCCL requires.
     """
 
     def __init__(self, shard, heads, head_dim, group=None, chunks=1):
@@ -42,46 +48,60 @@ class UlyssesAttention:
         self.world_size = shard.world_size
         self.head_dim = head_dim
         self.rows = [b - a for a, b in shard.row_ranges]
-        self.head_ranges = shard.head_ranges
         self.heads = [b - a for a, b in shard.head_ranges]
         if sum(self.heads) != heads:
             raise ValueError(f"ShardPlan splits {sum(self.heads)} heads but the model has {heads}; build it with heads={heads}")
         if chunks < 1:
             raise ValueError(f"all-to-all pipeline chunks must be >= 1, got {chunks}")
         self.chunks = min(chunks, min(self.heads))  # every chunk holds >= 1 head on every rank
-        # chunk_heads[c][j]: the global head range of rank j's chunk c
-        cuts = [balanced_ranges(b - a, self.chunks) for a, b in shard.head_ranges]
-        self.chunk_heads = [[(a + cuts[j][c][0], a + cuts[j][c][1]) for j, (a, _) in enumerate(shard.head_ranges)]
-                            for c in range(self.chunks)]
-        self.chunk_sizes = [[b - a for a, b in ranges] for ranges in self.chunk_heads]  # [c][j]: heads of rank j in chunk c
+        cuts = [balanced_ranges(h, self.chunks) for h in self.heads]
+        self.chunk_sizes = [[cuts[j][c][1] - cuts[j][c][0] for j in range(self.world_size)]
+                            for c in range(self.chunks)]  # [c][j]: heads of rank j in chunk c
+        # chunk_span[c]: chunk c's global heads; chunk_heads[c][j]: rank j's part of them
+        self.chunk_span, self.chunk_heads, first = [], [], 0
+        for sizes in self.chunk_sizes:
+            ranges = []
+            for h in sizes:
+                ranges.append((first, first + h))
+                first += h
+            self.chunk_span.append((ranges[0][0], ranges[-1][1]))
+            self.chunk_heads.append(ranges)
 
     def pack_heads(self, qkv):
-        """[s_r, 3, H, D] -> flat, chunk-major then rank-major, each piece [s_r, 3, h_jc, D]: one pass.
-
-        When every rank holds the same number of heads (N divides H), a chunk's pieces for all ranks
-        are one strided view of qkv, so each chunk is packed by one copy kernel instead of N.
-        """
+        """[s_r, 3, H, D] -> flat, chunk-major then rank-major, each piece [s_r, 3, h_jc, D] (all chunks)."""
         send = torch.empty(qkv.numel(), dtype=qkv.dtype, device=qkv.device)
-        words = _words(qkv)
-        self._pack_into(send if words is qkv else send.view(words.dtype), words)
+        offsets = self._send_offsets(qkv.shape[0])
+        for c in range(self.chunks):
+            self._pack_chunk(send[offsets[c]:offsets[c + 1]], qkv, c)
         return send
 
-    def _pack_into(self, send, qkv):
-        s_r, d, n_ranks = qkv.shape[0], qkv.shape[-1], self.world_size
-        even = len(set(self.heads)) == 1
-        by_rank = qkv.view(s_r, 3, n_ranks, self.heads[0], d) if even else None
+    def _send_offsets(self, s_r):
+        offsets = [0]
+        for sizes in self.chunk_sizes:
+            offsets.append(offsets[-1] + s_r * 3 * sum(sizes) * self.head_dim)
+        return offsets
+
+    def _pack_chunk(self, send, qkv, c):
+        """Chunk c's pieces for every rank into `send`, in one strided copy when they are equal in size.
+
+        The copy moves 8-byte words where a head is a whole number of them (_words): a strided
+        copy costs per element, so a 128-dim bf16 head moves as 32 words instead of 128 elements.
+        """
+        words = _words(qkv)
+        if words is not qkv:
+            send = send.view(words.dtype)
+        s_r, d = words.shape[0], words.shape[-1]
+        sizes = self.chunk_sizes[c]
+        a, b = self.chunk_span[c]
+        if len(set(sizes)) == 1:
+            h = sizes[0]
+            send.view(self.world_size, s_r, 3, h, d).copy_(words[:, :, a:b].unflatten(2, (self.world_size, h)).permute(2, 0, 1, 3, 4))
+            return
         off = 0
-        for ranges in self.chunk_heads:
-            if even:
-                x, h = ranges[0][0] - self.head_ranges[0][0], ranges[0][1] - ranges[0][0]
-                n = n_ranks * s_r * 3 * h * d
-                send[off:off + n].view(n_ranks, s_r, 3, h, d).copy_(by_rank[:, :, :, x:x + h].permute(2, 0, 1, 3, 4))
-                off += n
-                continue
-            for a, b in ranges:
-                n = s_r * 3 * (b - a) * d
-                send[off:off + n].view(s_r, 3, b - a, d).copy_(qkv[:, :, a:b])
-                off += n
+        for a, b in self.chunk_heads[c]:
+            n = s_r * 3 * (b - a) * d
+            send[off:off + n].view(s_r, 3, b - a, d).copy_(words[:, :, a:b])
+            off += n
 
     def adaln_projections(self, projections, t_emb):
         """[p.project(t_emb) for p in projections], each computed by one rank and shared by one all-gather.
@@ -102,21 +122,31 @@ class UlyssesAttention:
         dist.all_gather(list(recv.chunk(n)), send, group=self.group)  # rank r's outputs land at [r * per, (r + 1) * per)
         return [recv[(i % n) * per + i // n] for i in range(count)]
 
+    def _buffer(self, numel, like):
+        """A new receive buffer (one place to change allocation, e.g. for registered NCCL buffers)."""
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+
     def _a2a(self, recv, send, out_splits, in_splits):
         return dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                       group=self.group, async_op=True)
 
-    def attention(self, qkv, transformer_options):
-        """[s_r, 3, H, D] normed + roped local q|k|v -> [s_r, H * D] attention output."""
+    def attention(self, qkv, transformer_options, prepare=None):
+        """[s_r, 3, H, D] local q|k|v -> [s_r, H * D] attention output.
+
+        prepare(a, b): makes q and k of global heads [a, b) ready for attention, in place in `qkv`
+        (H3: per-head RMSNorm + rope); called once per chunk, just before that chunk is packed, so
+        the previous chunk's transfer overlaps it. None: qkv is ready as given.
+        """
         d, s_r, me, sizes = self.head_dim, self.rows[self.rank], self.rank, self.chunk_sizes
-        send = self.pack_heads(qkv)
-        offsets = [0]
-        for c in range(self.chunks):
-            offsets.append(offsets[-1] + s_r * 3 * sum(sizes[c]) * d)
+        send = torch.empty(qkv.numel(), dtype=qkv.dtype, device=qkv.device)
+        offsets = self._send_offsets(s_r)
 
         def start_in(c):
+            if prepare is not None:
+                prepare(*self.chunk_span[c])
+            self._pack_chunk(send[offsets[c]:offsets[c + 1]], qkv, c)
             h = sizes[c][me]
-            recv = torch.empty(sum(self.rows) * 3 * h * d, dtype=qkv.dtype, device=qkv.device)
+            recv = self._buffer(sum(self.rows) * 3 * h * d, qkv)
             work = self._a2a(recv, send[offsets[c]:offsets[c + 1]], [s * 3 * h * d for s in self.rows],
                              [s_r * 3 * hj * d for hj in sizes[c]])
             return work, recv.view(-1, 3, h, d)
@@ -126,18 +156,18 @@ class UlyssesAttention:
         for c in range(self.chunks):
             work, full = pending
             if c + 1 < self.chunks:
-                pending = start_in(c + 1)  # next chunk's input travels while this chunk computes
+                pending = start_in(c + 1)  # next chunk's heads are prepared and sent while this one is in flight / computes
             work.wait()
             h = sizes[c][me]
             out = kernels.attention(full[:, 0], full[:, 1], full[:, 2], h, transformer_options).contiguous()
-            recv = torch.empty(s_r * sum(sizes[c]) * d, dtype=out.dtype, device=out.device)
+            recv = self._buffer(s_r * sum(sizes[c]) * d, out)
             # `out` stays referenced until its transfer is waited on
             outs.append((self._a2a(recv, out.view(-1), [s_r * hj * d for hj in sizes[c]], [s * h * d for s in self.rows]),
                          recv.split([s_r * hj * d for hj in sizes[c]]), out))
         for work, _, _ in outs:
             work.wait()
-        # global head order is rank-major, then chunk: [rank 0 chunk 0 | rank 0 chunk 1 | ... | rank 1 chunk 0 | ...]
-        return torch.cat([outs[c][1][j].view(s_r, -1) for j in range(self.world_size) for c in range(self.chunks)], dim=1)
+        # chunk-major, then rank-major: the global head order
+        return torch.cat([piece.view(s_r, -1) for _, pieces, _ in outs for piece in pieces], dim=1)
 
 
 def _words(t):
