@@ -1,9 +1,9 @@
 """torch.distributed plumbing shared by rank 0 and the workers: store, groups, teardown, ownership.
 
 * The rendezvous store listens on 127.0.0.1 only, on an ephemeral port.
-* The default process group is the data group (NCCL for CUDA, gloo for CPU); a second gloo group
-  carries the small control collectives (preflight, cancel agreement) so that they never queue
-  behind NCCL kernels.
+* The default process group is the data group (NCCL for CUDA, on high-priority streams; gloo for
+  CPU); a second gloo group carries the small control collectives (preflight, cancel agreement) so
+  that they never queue behind NCCL kernels.
 * torch.distributed's default group is process-global, so at most one ``ParallelGroup`` per process
   may hold it (``claim`` / ``release``).
 """
@@ -73,12 +73,26 @@ def init_groups(backend, store, rank, world_size, device, timeouts):
     """
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeouts["rendezvous"]),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None, pg_options=data_group_options(backend))
     collective = datetime.timedelta(seconds=timeouts["collective"])
     control = dist.new_group(backend="gloo", timeout=collective)
     if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
         dist.distributed_c10d._set_pg_timeout(collective, None)
     return control
+
+
+def data_group_options(backend):
+    """NCCL on high-priority CUDA streams, else the defaults (None).
+
+    Sequence-parallel attention issues each all-to-all and then, on the compute stream, the next
+    chunk's kernels; at normal priority those kernels' waiting blocks take the SMs first and the
+    transfer starts only as they drain (bench/results/h3_h200_chunk_prep_15k.json).
+    """
+    if backend != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
 
 
 def destroy_groups(abort):

@@ -121,3 +121,22 @@ def test_timeouts_must_be_positive(field, value):
     with pytest.raises(ValueError, match=f"Timeouts.{field} must be a positive number"):
         Timeouts(**{field: value})
     assert Timeouts(idle=None).idle is None
+
+
+def test_nccl_data_group_uses_high_priority_streams(monkeypatch):
+    # the all-to-all issued before the next chunk's kernels must get SMs ahead of them (NCCL's
+    # high-priority streams); gloo keeps torch's defaults
+    import types
+
+    import torch.distributed as dist
+
+    from comfy.parallel import pg
+
+    class Options:  # stands in where this torch build has no NCCL
+        is_high_priority_stream = False
+
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        monkeypatch.setattr(dist, "ProcessGroupNCCL", types.SimpleNamespace(Options=Options), raising=False)
+    assert pg.data_group_options("gloo") is None
+    options = pg.data_group_options("nccl")
+    assert isinstance(options, dist.ProcessGroupNCCL.Options) and options.is_high_priority_stream is True
