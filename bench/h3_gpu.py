@@ -19,6 +19,12 @@ The committed results came from (one H200, trimmed base on COMFYUI_DIR, kitchen/
   --layers 2 --sections overlap --resolutions 832x480x124 --repeat 50 --chunks 2 --shared-chunks 2 --bandwidths 360 \
       --graphs --no-unfused                          -> bench/results/h3_h200_shared_adaln_15k.json
   (the same with --resolutions 1344x768x124 --repeat 8 -> bench/results/h3_h200_shared_adaln_38k.json)
+  --layers 2 --sections timeline,overlap --resolutions 832x480x124 --repeat 50 --chunks "" --shared-chunks 2 \
+      --bandwidths 360 --no-unfused --upfront-ab --normal-priority-ab --last-rank
+                                                     -> bench/results/h3_h200_chunk_prep_15k.json (current code)
+  (the same without timeline, with --resolutions 1344x768x124 --repeat 8 -> bench/results/h3_h200_chunk_prep_38k.json)
+The earlier overlap runs (before h3_h200_chunk_prep_*) used a stand-in that copied the chunk schedule;
+the overlap section now runs the real UlyssesAttention with only its all-to-alls emulated.
 The overlap, budget and gaps sections use blocks[0] only, so --layers 2 measures them at full block
 size with a fast start.
 """
@@ -161,7 +167,7 @@ def section_native(res_list, theirs, ours, out, save=lambda: None):
               f"cudnn {result['rel_diff_ours_cudnn_vs_upstream']:.2e}", flush=True)
 
 
-def _ulysses(world, seq, heads, dim, chunks=1, rank=0):
+def _ulysses(world, seq, heads, dim, chunks=1, rank=0, cls=None):
     """A real UlyssesAttention (its head geometry and packing) for rank `rank` of an N-way shard."""
     from types import SimpleNamespace
 
@@ -169,7 +175,7 @@ def _ulysses(world, seq, heads, dim, chunks=1, rank=0):
     from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
     shard = SimpleNamespace(rank=rank, world_size=world, row_ranges=balanced_ranges(seq, world),
                             head_ranges=balanced_ranges(heads, world))
-    return UlyssesAttention(shard, heads, dim, chunks=chunks)
+    return (cls or UlyssesAttention)(shard, heads, dim, chunks=chunks)
 
 
 def chunk_bytes(ulysses, c, elem=2):
@@ -197,14 +203,17 @@ def tokens(res):
 
 class _EmulatedComm:
     """One all-to-all as seen by one rank, on a side stream standing in for NCCL's: it starts when
-    its input is ready (an event on the compute stream), writes the bytes this rank receives into
-    HBM (a device copy, the receive side's memory traffic), then idles until bytes / bandwidth +
-    latency has passed (torch.cuda._sleep). Not modelled: the SMs NCCL's kernels occupy."""
+    its input is ready (an event on the compute stream), writes random values into its receive
+    buffer (a device copy, the receive side's memory traffic), then idles until
+    max(sent, received) / bandwidth + latency has passed (torch.cuda._sleep). Not modelled: the SMs
+    NCCL's kernels occupy. The first call at each size measures that copy (a host sync): warm up."""
 
-    def __init__(self, bandwidth, latency_s):
-        self.stream = torch.cuda.Stream()
+    def __init__(self, bandwidth, latency_s, high_priority=True):
+        # comfy.parallel creates NCCL's streams at high priority (pg.init_groups): a transfer issued
+        # before a compute kernel gets SMs ahead of that kernel's waiting blocks
+        self.stream = torch.cuda.Stream(priority=-100 if high_priority else 0)
         self.bandwidth, self.latency_s = bandwidth, latency_s
-        self.scratch = {}
+        self.source = torch.zeros(0, dtype=torch.bfloat16, device="cuda")
         t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t[0].record()
         torch.cuda._sleep(20_000_000)
@@ -213,75 +222,74 @@ class _EmulatedComm:
         self.cycles_per_s = 20_000_000 / (t[0].elapsed_time(t[1]) / 1000)
         self.copy_s = {}
 
-    def _copy_time(self, n):
+    def _copy_time(self, recv):
+        n = recv.numel()
         if n not in self.copy_s:
-            a, b = self._buffers(n)
-            self.copy_s[n] = cuda_time(lambda: a.copy_(b), 2, 5)["median_s"]
+            self.copy_s[n] = cuda_time(lambda: recv.copy_(self._source(n)), 2, 5)["median_s"]
         return self.copy_s[n]
 
-    def _buffers(self, n):
-        if n not in self.scratch:
-            self.scratch[n] = (torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda"))
-        return self.scratch[n]
+    def _source(self, n):
+        """n bytes of random bf16 values (what arrives is data, not zeros: see _emulated_ulysses)."""
+        if self.source.numel() * 2 < n:
+            self.source = torch.randn(-(-n // 2), dtype=torch.bfloat16, device="cuda")
+        return self.source.view(torch.uint8)[:n]
 
-    def prepare(self, sizes):
-        for n in sizes:
-            self._copy_time(n)
-
-    def start(self, send_bytes, recv_bytes):
-        """-> an event the consumer waits on."""
+    def start(self, recv, send_bytes, recv_bytes):
+        """Fill `recv` (as a uint8 view) like a transfer of these sizes would; -> an event the consumer waits on."""
+        recv = recv.view(torch.uint8)
         total = max(send_bytes, recv_bytes) / self.bandwidth + self.latency_s
-        idle = max(0.0, total - self._copy_time(recv_bytes))
+        idle = max(0.0, total - self._copy_time(recv))
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            a, b = self._buffers(recv_bytes)
-            a.copy_(b)
+            recv.copy_(self._source(recv.numel()))
             torch.cuda._sleep(int(idle * self.cycles_per_s))
             done = torch.cuda.Event()
             done.record()
         return done
 
 
-class _PipelinedEmulation:
-    """UlyssesAttention.attention's schedule for rank 0 of an N-way shard on one GPU: real packing,
-    real attention per head chunk over the full sequence, and every all-to-all replaced by an
-    _EmulatedComm of the bytes that rank would send and receive, issued in the same order."""
+class _EventWork:
+    """What _a2a returns in the emulation: wait() orders the compute stream after the transfer."""
 
-    def __init__(self, world, seq, heads, dim, chunks, comm):
-        self.world_size, self.dim, self.comm = world, dim, comm
-        self.real = _ulysses(world, seq, heads, dim, chunks=chunks)
-        self.chunks = self.real.chunks
-        self.s_r = self.real.rows[0]
-        self.sizes = self.real.chunk_sizes
-        self.full = [torch.randn(seq, 3, sz[0], dim, device="cuda", dtype=torch.bfloat16) for sz in self.sizes]
-        if comm is not None:
-            comm.prepare(n for c in range(self.chunks) for n in chunk_bytes(self.real, c))
+    def __init__(self, event):
+        self.event = event
 
-    def _start(self, send_bytes, recv_bytes):
-        return None if self.comm is None else self.comm.start(send_bytes, recv_bytes)
+    def wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
-    def attention(self, qkv, transformer_options):
-        from comfy.ldm.minimax_h3 import kernels
-        self.real.pack_heads(qkv)
-        cur = torch.cuda.current_stream()
-        pending = self._start(*chunk_bytes(self.real, 0)[:2])
-        outs = []
-        for c in range(self.chunks):
-            ready = pending
-            if c + 1 < self.chunks:
-                pending = self._start(*chunk_bytes(self.real, c + 1)[:2])
-            if ready is not None:
-                cur.wait_event(ready)
-            full = self.full[c]
-            out = kernels.attention(full[:, 0], full[:, 1], full[:, 2], self.sizes[c][0], transformer_options).contiguous()
-            outs.append((self._start(*chunk_bytes(self.real, c)[2:]), out))
-        for done, _ in outs:
-            if done is not None:
-                cur.wait_event(done)
-        s = self.s_r
-        # the unpacking concat of UlyssesAttention (rank-major, then chunk) over pieces of the received size
-        pieces = [outs[c][1][:s, :self.sizes[c][j] * self.dim] for j in range(self.world_size) for c in range(self.chunks)]
-        return torch.cat(pieces, dim=1)
+
+def _emulated_ulysses(world, seq, heads, dim, chunks, comm, rank=0, upfront=False):
+    """The real UlyssesAttention of rank `rank` of an N-way shard (its packing, chunk schedule and
+    attention over the full sequence) on one GPU, with every all-to-all replaced by an
+    _EmulatedComm of the bytes that rank sends and receives (comm None: no transfer). Receive
+    buffers are views of one random-valued pool. upfront: every head is normed before the first chunk is packed
+    (the schedule before per-chunk preparation), for an A/B in the same run."""
+    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+
+    pool = []
+
+    class Emulated(UlyssesAttention):
+        def _buffer(self, numel, like):
+            # random bf16 values, never zeros or stale memory: attention's speed on an H200 depends on
+            # the data (all-zero inputs ran the block ~5% faster in a first run of this emulation)
+            if not pool or pool[0].numel() < numel:
+                pool[:] = [torch.randn(numel, dtype=like.dtype, device=like.device)]
+            return pool[0][:numel]
+
+        def attention(self, qkv, transformer_options, prepare=None):
+            if upfront and prepare is not None:
+                prepare(0, heads)
+                prepare = None
+            return super().attention(qkv, transformer_options, prepare=prepare)
+
+        def _a2a(self, recv, send, out_splits, in_splits):
+            if comm is None:
+                return _EventWork(None)
+            me, elem = self.rank, send.element_size()
+            return _EventWork(comm.start(recv, (sum(in_splits) - in_splits[me]) * elem, (sum(out_splits) - out_splits[me]) * elem))
+
+    return _ulysses(world, seq, heads, dim, chunks=chunks, rank=rank, cls=Emulated)
 
 
 def interleaved(fns, rounds=3, warmup=3, iters=10):
@@ -300,14 +308,22 @@ OVERLAP_NOTE = ("one DiT block at real dims per rank (rank 0, S/N rows, ceil(56/
                 "modelled; each time the median of {rounds} interleaved rounds of {repeat} blocks back to back (per block); "
                 "host_s: the host's time to issue one block (the GPU is host-bound when it is close to block_s); "
                 "*_shared_adaln: the adaLN projections shared across ranks (this rank projects one block in N; the "
-                "~20 MB/step all-gather, ~1 us/block at 360 GB/s, not emulated)")
+                "~20 MB/step all-gather, ~1 us/block at 360 GB/s, not emulated); *_upfront: q/k of every head normed "
+                "before the first chunk is packed (the schedule before per-chunk preparation); the real UlyssesAttention "
+                "runs with only its _a2a replaced; *_last_rank: rank N-1's block (floor(S/N) rows, one modulation segment, "
+                "no text rows) beside rank 0's; transfers run on a high-priority stream (as comfy.parallel's NCCL streams), "
+                "*_normal_priority on a normal one")
 
 
 def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 180e9), latency_s=20e-6, chunk_list=(1, 2, 4),
-                    repeat=8, rounds=3, shared_chunks=(), unfused=True, graphs=False):
+                    repeat=8, rounds=3, shared_chunks=(), unfused=True, graphs=False, upfront_ab=False,
+                    last_rank=False, normal_priority_ab=False):
     """Per-rank block time for each all-to-all pipeline depth: without communication (what chunking
     costs the attention kernel) and with the all-to-alls emulated on a side stream; for the depths in
-    `shared_chunks` also with the adaLN projections shared across ranks."""
+    `shared_chunks` also with the adaLN projections shared across ranks (and, with upfront_ab, the
+    same with every head normed before the first chunk leaves: the schedule before per-chunk prep;
+    with last_rank, the last rank's block beside rank 0's; with normal_priority_ab, the transfers on a
+    normal-priority stream instead of a high-priority one)."""
     from comfy.ldm.minimax_h3.embedding import rope_rotation_table
     from comfy.ldm.minimax_h3 import kernels
     block = ours.blocks[0]
@@ -321,13 +337,14 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
         t_emb = torch.randn(2, 2688, device="cuda", dtype=torch.bfloat16)
         host = {}
 
-        def block_fn(s, sp, name, fuse=True, share=None, graph=False):
+        def block_fn(s, sp, name, fuse=True, share=None, graph=False, text=True):
             # `repeat` blocks back to back per timed call, as in a step: the host may run ahead of the GPU.
             # share=N: the adaLN projections are shared (UlyssesAttention.adaln_projections), so this rank
-            # projects once every N blocks; the ~20 MB/step all-gather (~1 us/block at 360 GB/s) is not emulated
+            # projects once every N blocks; the ~20 MB/step all-gather (~1 us/block at 360 GB/s) is not emulated.
+            # text: the rows start with the 512 text rows (rank 0: two modulation segments), else one segment
             h = torch.randn(s, hidden, device="cuda", dtype=torch.bfloat16)
             rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
-            mods = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)]
+            mods = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)] if text else [(0, s, 0)]
 
             def fn():
                 kernels.fused_adaln = fused if fuse else (lambda x: False)
@@ -375,32 +392,43 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
             res_rows["1"]["graph_host_s"] = host_s("native_graph")
         del natives
         comms = {int(bw / 1e9): _EmulatedComm(bw, latency_s) for bw in bandwidths}
+        normal = {int(bw / 1e9): _EmulatedComm(bw, latency_s, high_priority=False) for bw in bandwidths} if normal_priority_ab else {}
         for world in (2, 4, 8):
             s = -(-seq // world)
             fns = {}
             if unfused:
-                fns["chunks1_no_comm_unfused_adaln"] = block_fn(s, _PipelinedEmulation(world, seq, heads, dim, 1, None),
+                fns["chunks1_no_comm_unfused_adaln"] = block_fn(s, _emulated_ulysses(world, seq, heads, dim, 1, None),
                                                                 "chunks1_no_comm_unfused_adaln", fuse=False)
             for chunks in shared_chunks:
                 if chunks > heads // world:
                     continue
                 fns[f"chunks{chunks}_no_comm_shared_adaln"] = block_fn(
-                    s, _PipelinedEmulation(world, seq, heads, dim, chunks, None), f"chunks{chunks}_no_comm_shared_adaln", share=world)
+                    s, _emulated_ulysses(world, seq, heads, dim, chunks, None), f"chunks{chunks}_no_comm_shared_adaln", share=world)
                 if graphs:
                     fns[f"chunks{chunks}_no_comm_shared_adaln_graph"] = block_fn(
-                        s, _PipelinedEmulation(world, seq, heads, dim, chunks, None), f"chunks{chunks}_no_comm_shared_adaln_graph",
+                        s, _emulated_ulysses(world, seq, heads, dim, chunks, None), f"chunks{chunks}_no_comm_shared_adaln_graph",
                         share=world, graph=True)
                 for gbps, comm in comms.items():
                     fns[f"chunks{chunks}_bw{gbps}_shared_adaln"] = block_fn(
-                        s, _PipelinedEmulation(world, seq, heads, dim, chunks, comm), f"chunks{chunks}_bw{gbps}_shared_adaln",
+                        s, _emulated_ulysses(world, seq, heads, dim, chunks, comm), f"chunks{chunks}_bw{gbps}_shared_adaln",
                         share=world)
+                    if upfront_ab:
+                        name = f"chunks{chunks}_bw{gbps}_shared_adaln_upfront"
+                        fns[name] = block_fn(s, _emulated_ulysses(world, seq, heads, dim, chunks, comm, upfront=True), name, share=world)
+                    if normal_priority_ab:
+                        name = f"chunks{chunks}_bw{gbps}_shared_adaln_normal_priority"
+                        fns[name] = block_fn(s, _emulated_ulysses(world, seq, heads, dim, chunks, normal[gbps]), name, share=world)
+                    if last_rank:  # the last rank: floor(S/N) rows, no text rows (one modulation segment)
+                        name = f"chunks{chunks}_bw{gbps}_shared_adaln_last_rank"
+                        fns[name] = block_fn(seq // world, _emulated_ulysses(world, seq, heads, dim, chunks, comm, rank=world - 1),
+                                             name, share=world, text=False)
             for chunks in chunk_list:
                 if chunks > heads // world:
                     continue
-                fns[f"chunks{chunks}_no_comm"] = block_fn(s, _PipelinedEmulation(world, seq, heads, dim, chunks, None),
+                fns[f"chunks{chunks}_no_comm"] = block_fn(s, _emulated_ulysses(world, seq, heads, dim, chunks, None),
                                                            f"chunks{chunks}_no_comm")
                 for gbps, comm in comms.items():
-                    fns[f"chunks{chunks}_bw{gbps}"] = block_fn(s, _PipelinedEmulation(world, seq, heads, dim, chunks, comm),
+                    fns[f"chunks{chunks}_bw{gbps}"] = block_fn(s, _emulated_ulysses(world, seq, heads, dim, chunks, comm),
                                                                f"chunks{chunks}_bw{gbps}")
             times = interleaved(fns, rounds=rounds, warmup=2, iters=6)
             w_rows = {"rows_per_rank": s, "a2a_bytes_per_block": bytes_per_block(_ulysses(world, seq, heads, dim)),
@@ -412,7 +440,7 @@ def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 1
             del fns
         rows[res] = {"tokens": seq, "native_block_s": base, "native_host_s": res_rows["1"]["host_s"], "worlds": res_rows}
         print(f"overlap {res} native block {base * 1e3:.2f} ms (host {res_rows['1']['host_s'] * 1e3:.2f} ms)", flush=True)
-        del comms
+        del comms, normal
         save()
 
 
@@ -551,7 +579,7 @@ def section_budget(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), 
                 kernels.SDPA_PRIORITY = cudnn_first
                 r["gate_residual_clone_s"] = gpu_kernel_s(lambda: x.clone())  # the clone inside the gate_residual timing
                 r["ops"]["gate_residual"]["s"] -= r["gate_residual_clone_s"]
-                emu = _PipelinedEmulation(world, seq, heads, dim, chunks, None) if world > 1 else None
+                emu = _emulated_ulysses(world, seq, heads, dim, chunks, None) if world > 1 else None
                 mods_full = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)]
 
                 def whole():
@@ -599,7 +627,7 @@ def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), re
         per = rows["resolutions"][res] = {"tokens": seq, "worlds": {}}
         for world in worlds:
             s = -(-seq // world)
-            sp = _PipelinedEmulation(world, seq, heads, dim, 2, None) if world > 1 else None
+            sp = _emulated_ulysses(world, seq, heads, dim, 2, None) if world > 1 else None
             xs = [torch.randn(s, hidden, device="cuda").bfloat16() for _ in range(4)]
             rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
             mods = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)]
@@ -652,6 +680,43 @@ def section_gaps(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), re
                   f"{w['idle_s_per_block'] * 1e3:.3f} ms per block; host syncs {syncs or 'none'} (detector control {control}); largest: " +
                   "; ".join(f"{g['between']} {g['s_per_block'] * 1e6:.1f} us" for g in w["largest_gaps"][:6]), flush=True)
             save()
+
+
+def section_timeline(res, ours, out, worlds=(2, 8), chunks=2, bandwidth=360e9, latency_s=20e-6):
+    """Kernel timeline of one rank block (the second of three back to back, profiler) with emulated
+    transfers: per-chunk q/k preparation vs up front, transfers on a high- vs normal-priority stream.
+    Shows where the first chunk's transfer starts and how long attention waits for it."""
+    from comfy.ldm.minimax_h3.embedding import rope_rotation_table
+    block, seq = ours.blocks[0], tokens(res)
+    t_emb = torch.randn(2, 2688, device="cuda", dtype=torch.bfloat16)
+    comms = {"high": _EmulatedComm(bandwidth, latency_s), "normal": _EmulatedComm(bandwidth, latency_s, high_priority=False)}
+    rows = out["timeline"] = {"resolution": res, "tokens": seq, "chunks": chunks, "bandwidth_gbps": bandwidth / 1e9,
+                              "note": "kernels of the second of 3 blocks back to back: (start us from the block's first "
+                                      "kernel, duration us, name); all streams", "runs": {}}
+    for world in worlds:
+        s = -(-seq // world)
+        h = torch.randn(s, 5376, device="cuda", dtype=torch.bfloat16)
+        rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
+        mods = [(0, 512, 1), (512, s, 0)]
+        proj = block.adaln_proj.project(t_emb)
+        for prio, comm in comms.items():
+            for upfront in (False, True):
+                sp = _emulated_ulysses(world, seq, 56, 128, chunks, comm, upfront=upfront)
+
+                def fn():
+                    block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=proj)
+                with torch.no_grad():
+                    for _ in range(3):
+                        fn()
+                    ks = kernel_spans(lambda: [fn() for _ in range(3)])
+                n = len(ks) // 3
+                t0 = ks[n][0]
+                key = f"N{world}_{prio}_priority_{'upfront' if upfront else 'per_chunk'}"
+                attn = [a for a, _, name in ks[n:2 * n] if "sdpa" in name or "flash" in name]
+                rows["runs"][key] = {"block_span_us": ks[2 * n][0] - t0, "first_attention_start_us": attn[0] - t0 if attn else None,
+                                     "kernels": [(round(a - t0, 1), round(b - a, 1), name[:70]) for a, b, name in ks[n:2 * n]]}
+                print(f"timeline {key}: block span {ks[2 * n][0] - t0:.1f} us, first attention at "
+                      f"{rows['runs'][key]['first_attention_start_us']} us", flush=True)
 
 
 def section_attention_ab(out, seq=15356, rounds=5):
@@ -903,6 +968,11 @@ def main():
     ap.add_argument("--no-unfused", action="store_true", help="overlap: skip the unfused-adaLN reference")
     ap.add_argument("--repeat", type=int, default=8, help="overlap: blocks back to back per timing (50 = one H3 step)")
     ap.add_argument("--graphs", action="store_true", help="overlap: also the shared-adaLN block replayed from a CUDA graph")
+    ap.add_argument("--normal-priority-ab", action="store_true",
+                    help="overlap: also the shared-adaLN variants with the emulated transfers on a normal-priority stream")
+    ap.add_argument("--last-rank", action="store_true", help="overlap: also the last rank's shared-adaLN block (no text rows)")
+    ap.add_argument("--upfront-ab", action="store_true",
+                    help="overlap: also the shared-adaLN variants with q/k normed up front (before per-chunk preparation)")
     args = ap.parse_args()
     comfy_dir = os.environ.get("COMFYUI_DIR")
     if not comfy_dir:
@@ -938,10 +1008,15 @@ def main():
         ints = lambda v: tuple(int(c) for c in v.split(",") if c)  # noqa: E731
         section_overlap(res_list, ours, out, save, bandwidths=tuple(b * 1e9 for b in ints(args.bandwidths)),
                         chunk_list=ints(args.chunks), rounds=args.rounds, shared_chunks=ints(args.shared_chunks),
-                        unfused=not args.no_unfused, repeat=args.repeat, graphs=args.graphs)
+                        unfused=not args.no_unfused, repeat=args.repeat, graphs=args.graphs,
+                        upfront_ab=args.upfront_ab, last_rank=args.last_rank,
+                        normal_priority_ab=args.normal_priority_ab)
         save()
     if "graph_profile" in sections:
         section_graph_profile(ours, out)
+        save()
+    if "timeline" in sections:
+        section_timeline(res_list[0], ours, out)
         save()
     if "attention_ab" in sections:
         section_attention_ab(out)

@@ -44,6 +44,7 @@ H3_PROFILE_JSON = "h3_h200_accuracy_profile.json"
 H3_BUDGET_JSON = "h3_h200_budget.json"
 H3_GAPS_JSON = "h3_h200_gaps.json"
 H3_SHARED_JSONS = ("h3_h200_shared_adaln_15k.json", "h3_h200_shared_adaln_15k_run2.json", "h3_h200_shared_adaln_38k.json")
+H3_PREP_JSONS = ("h3_h200_chunk_prep_15k.json", "h3_h200_chunk_prep_38k.json")
 
 PARALLEL_JSON = "parallel_cpu.json"
 SNAPSHOT_JSON = "snapshot_cpu.json"
@@ -319,9 +320,8 @@ def t_scaling_shared(results):
     if not found:
         raise Skip(f"none of {', '.join(H3_SHARED_JSONS)} found")
     c = DEFAULT_CHUNKS
-    header = ["resolution (WxHxF)", "tokens", "N", "run", "blocks per timing", "per-rank adaLN, transfers", "shared adaLN, transfers "
-              "(current code)", "shared, no transfers", "shared, no transfers, both in CUDA graphs", "issue target",
-              "met (current code)"]
+    header = ["resolution (WxHxF)", "tokens", "N", "run", "blocks per timing", "per-rank adaLN, transfers", "shared adaLN, transfers", "shared, no transfers", "shared, no transfers, both in CUDA graphs", "issue target",
+              "met"]
     rows, natives, bws = [], [], set()
     for name, d, sec in found:
         for res, r in sec["resolutions"].items():
@@ -354,10 +354,61 @@ def t_scaling_shared(results):
                 "scaling table above. Per-rank adaLN: every rank projects every block's modulation (before); shared adaLN: "
                 "each rank projects one block in N and an all-gather shares them (`UlyssesAttention.adaln_projections`). "
                 "Blocks per timing 50 = one H3 step back to back, so the host's lead and per-kernel launch gaps are as in a "
-                "real step. Both in CUDA graphs: the native block's graph replay over the rank block's (each block captured "
+                "real step. These runs used the bench's earlier stand-in (its own copy of the chunk schedule, transfers on a "
+                "normal-priority stream); the next table measures the current code. Both in CUDA graphs: the native block's graph replay over the rank block's (each block captured "
                 "once, replayed back to back); graphs speed up the native block more than a rank's, so capture would not "
                 "close the scaling gap."
                 + (" Native block, eager vs CUDA graph: " + "; ".join(natives) + "." if natives else "")]
+    return out
+
+
+def t_scaling_prep(results):
+    found = [(name, d, d["overlap_emulation"]) for name in H3_PREP_JSONS for d in [load(results, name)]
+             if d and (d.get("overlap_emulation") or {}).get("resolutions")]
+    if not found:
+        raise Skip(f"none of {', '.join(H3_PREP_JSONS)} found")
+    c = DEFAULT_CHUNKS
+    header = ["resolution (WxHxF)", "tokens", "N", "blocks per timing", "no transfers", "current code: per-chunk q/k prep, "
+              "high-priority transfers", "q/k normed up front, high priority", "per-chunk prep, normal priority",
+              "last rank (no text rows), current code", "issue target", "met (rank 0, current code)"]
+    rows, bws = [], set()
+    for name, d, sec in found:
+        for res, r in sec["resolutions"].items():
+            for n, w in _worlds(r):
+                if n == 1:
+                    continue
+                times = w.get("times") or {}
+                bw = sorted({int(m.group(1)) for k in times for m in [re.fullmatch(rf"chunks{c}_bw(\d+)_shared_adaln", k)] if m},
+                            reverse=True)
+                if not bw:
+                    continue
+                bws.add(bw[0])
+                key = f"chunks{c}_bw{bw[0]}_shared_adaln"
+                current, target = _speedup(w, key), TARGETS.get(n)
+                rows.append([res, f_int(r.get("tokens")), n, _repeat(d, sec), f_speedup(_speedup(w, f"chunks{c}_no_comm_shared_adaln")),
+                             f_speedup(current), f_speedup(_speedup(w, key + "_upfront")),
+                             f_speedup(_speedup(w, key + "_normal_priority")), f_speedup(_speedup(w, key + "_last_rank")),
+                             f_speedup(target) if target else "—",
+                             ("yes" if current >= target else "no") if target and _num(current) else "—"])
+    out = [caption(f"Sequence-parallel scaling, current code: each chunk's q/k normed just before its all-to-all, transfers on "
+                   f"high-priority streams ({c} chunks, {', '.join(str(b) for b in sorted(bws))} GB/s, shared adaLN).",
+                   ", ".join(n for n, _, _ in found), gpu_machine(found[0][1])), ""]
+    out += table(header, rows)
+    notes = []
+    timeline = (found[0][1].get("timeline") or {}).get("runs") or {}
+    if timeline:
+        notes.append("One block's kernel timeline (`timeline` section of " + found[0][0] + "), when rank 0's first attention "
+                     "kernel starts: " + "; ".join(f"{k.replace('_', ' ')} {fmt(v.get('first_attention_start_us'), 0)} us"
+                                                   for k, v in timeline.items() if _num(v.get("first_attention_start_us"))) + ".")
+    out += ["", "Speed-up over the native block (N = 1), the real `UlyssesAttention` per rank on one GPU with only its "
+                "all-to-alls emulated (random data in every receive buffer: all-zero inputs made attention ~5% faster in a "
+                "first run). All columns of a row come from one interleaved run. Up front: every head's q/k normed before "
+                "the first chunk is packed (the previous schedule); normal priority: the emulated transfers on a "
+                "normal-priority stream, where the next chunk's kernels take the SMs first and delay the transfer. Last "
+                "rank: floor(S/N) rows and one modulation segment; rank 0 also holds the 512 text rows, whose modulation "
+                "is redone per block (kitchen's small-row kernel) and costs it the difference; every rank waits for the "
+                "slowest at each all-to-all, so rank 0's number is the step's. "
+                + " ".join(notes) + f" Method (from the JSON): {found[0][2].get('note', '?')}."]
     return out
 
 
@@ -656,6 +707,7 @@ SECTIONS = (
     ("H3 native forward before cuDNN-first", t_native_baseline),
     ("sequence-parallel scaling", t_scaling),
     ("sequence-parallel scaling, shared adaLN", t_scaling_shared),
+    ("sequence-parallel scaling, per-chunk prep", t_scaling_prep),
     ("per-rank block budget", t_budget),
     ("RMSNorm + adaLN fusion", t_fusions),
     ("kernel choices", t_kernels),
@@ -837,7 +889,7 @@ def make_plots(results=RESULTS):
                 curves.append((f"{bw} GB/s, {DEFAULT_CHUNKS} chunks (default)",
                                [1.0] + [_speedup(w, f"chunks{DEFAULT_CHUNKS}_bw{bw}") for _, w in worlds], c, "s", "-"))
             # the current code (shared adaLN projections, 8-byte-word pack), from its own run when there is one
-            for name in H3_SHARED_JSONS:
+            for name in H3_PREP_JSONS + H3_SHARED_JSONS:
                 sd = load(results, name)
                 sr = ((sd or {}).get("overlap_emulation") or {}).get("resolutions", {}).get(res)
                 if not sr or res in current_blocks:  # the first run of a resolution (the table lists every run)
@@ -848,7 +900,8 @@ def make_plots(results=RESULTS):
                 blocks = _repeat(sd, sd["overlap_emulation"])
                 for key in keys[:1]:
                     bw = key.split("_bw")[1].split("_")[0]
-                    curves.append((f"current code (shared adaLN), {bw} GB/s, {DEFAULT_CHUNKS} chunks",
+                    what = "per-chunk q/k prep, shared adaLN" if name in H3_PREP_JSONS else "shared adaLN"
+                    curves.append((f"current code ({what}), {bw} GB/s, {DEFAULT_CHUNKS} chunks",
                                    [1.0] + [_speedup(sw.get(n, {}), key) for n in ns[1:]], "#000000", "D", "-"))
                     current_blocks[res] = blocks
             tn = [n for n in ns if n in TARGETS]
