@@ -314,14 +314,30 @@ def _repeat(d, sec):
     return int(m.group(1)) if m else 8
 
 
-def t_scaling_shared(results):
-    found = [(name, d, d["overlap_emulation"]) for name in H3_SHARED_JSONS for d in [load(results, name)]
+def _runs(results, names):
+    """[(name, JSON, its overlap_emulation section)] of the files in `names` that have one; Skip if none."""
+    found = [(name, d, d["overlap_emulation"]) for name in names for d in [load(results, name)]
              if d and (d.get("overlap_emulation") or {}).get("resolutions")]
     if not found:
-        raise Skip(f"none of {', '.join(H3_SHARED_JSONS)} found")
+        raise Skip(f"none of {', '.join(names)} found")
+    return found
+
+
+def _shared_worlds(r, c):
+    """(N, world entry, its first shared-adaLN bandwidth in GB/s) for every N > 1 of a resolution with a
+    chunks<c>_bw<b>_shared_adaln timing."""
+    for n, w in _worlds(r):
+        bw = sorted({int(m.group(1)) for k in (w.get("times") or {})
+                     for m in [re.fullmatch(rf"chunks{c}_bw(\d+)_shared_adaln", k)] if m}, reverse=True)
+        if n > 1 and bw:
+            yield n, w, bw[0]
+
+
+def t_scaling_shared(results):
+    found = _runs(results, H3_SHARED_JSONS)
     c = DEFAULT_CHUNKS
-    header = ["resolution (WxHxF)", "tokens", "N", "run", "blocks per timing", "per-rank adaLN, transfers", "shared adaLN, transfers", "shared, no transfers", "shared, no transfers, both in CUDA graphs", "issue target",
-              "met"]
+    header = ["resolution (WxHxF)", "tokens", "N", "run", "blocks per timing", "per-rank adaLN, transfers", "shared adaLN, transfers",
+              "shared, no transfers", "shared, no transfers, both in CUDA graphs", "issue target", "met"]
     rows, natives, bws = [], [], set()
     for name, d, sec in found:
         for res, r in sec["resolutions"].items():
@@ -329,21 +345,15 @@ def t_scaling_shared(results):
             native_graph = one.get("graph_block_s")
             if _num(native_graph):
                 natives.append(f"{res}: eager {f_ms_from_s(one.get('block_s'))} ms, CUDA graph {f_ms_from_s(native_graph)} ms")
-            for n, w in _worlds(r):
-                if n == 1:
-                    continue
+            for n, w, bw in _shared_worlds(r, c):
                 times = w.get("times") or {}
-                bw = sorted({int(m.group(1)) for k in times for m in [re.fullmatch(rf"chunks{c}_bw(\d+)_shared_adaln", k)] if m},
-                            reverse=True)
-                if not bw:
-                    continue
-                bws.add(bw[0])
-                shared = _speedup(w, f"chunks{c}_bw{bw[0]}_shared_adaln")
+                bws.add(bw)
+                shared = _speedup(w, f"chunks{c}_bw{bw}_shared_adaln")
                 target = TARGETS.get(n)
                 graph = ((times.get(f"chunks{c}_no_comm_shared_adaln_graph") or {}).get("block_s"))
                 graph_speedup = native_graph / graph if _num(native_graph) and _num(graph) and graph else None
                 run = name[len("h3_h200_shared_adaln_"):-len(".json")]
-                rows.append([res, f_int(r.get("tokens")), n, f"`{run}`", _repeat(d, sec), f_speedup(_speedup(w, f"chunks{c}_bw{bw[0]}")),
+                rows.append([res, f_int(r.get("tokens")), n, f"`{run}`", _repeat(d, sec), f_speedup(_speedup(w, f"chunks{c}_bw{bw}")),
                              f_speedup(shared), f_speedup(_speedup(w, f"chunks{c}_no_comm_shared_adaln")),
                              f_speedup(graph_speedup), f_speedup(target) if target else "—",
                              ("yes" if shared >= target else "no") if target and _num(shared) else "—"])
@@ -363,10 +373,7 @@ def t_scaling_shared(results):
 
 
 def t_scaling_prep(results):
-    found = [(name, d, d["overlap_emulation"]) for name in H3_PREP_JSONS for d in [load(results, name)]
-             if d and (d.get("overlap_emulation") or {}).get("resolutions")]
-    if not found:
-        raise Skip(f"none of {', '.join(H3_PREP_JSONS)} found")
+    found = _runs(results, H3_PREP_JSONS)
     c = DEFAULT_CHUNKS
     header = ["resolution (WxHxF)", "tokens", "N", "blocks per timing", "no transfers", "current code: per-chunk q/k prep, "
               "high-priority transfers", "q/k normed up front, high priority", "per-chunk prep, normal priority",
@@ -374,16 +381,9 @@ def t_scaling_prep(results):
     rows, bws = [], set()
     for name, d, sec in found:
         for res, r in sec["resolutions"].items():
-            for n, w in _worlds(r):
-                if n == 1:
-                    continue
-                times = w.get("times") or {}
-                bw = sorted({int(m.group(1)) for k in times for m in [re.fullmatch(rf"chunks{c}_bw(\d+)_shared_adaln", k)] if m},
-                            reverse=True)
-                if not bw:
-                    continue
-                bws.add(bw[0])
-                key = f"chunks{c}_bw{bw[0]}_shared_adaln"
+            for n, w, bw in _shared_worlds(r, c):
+                bws.add(bw)
+                key = f"chunks{c}_bw{bw}_shared_adaln"
                 current, target = _speedup(w, key), TARGETS.get(n)
                 rows.append([res, f_int(r.get("tokens")), n, _repeat(d, sec), f_speedup(_speedup(w, f"chunks{c}_no_comm_shared_adaln")),
                              f_speedup(current), f_speedup(_speedup(w, key + "_upfront")),
