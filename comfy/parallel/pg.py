@@ -71,9 +71,9 @@ def init_groups(backend, store, rank, world_size, device, timeouts):
     The rendezvous is bounded by ``timeouts.rendezvous``; afterwards every collective of both
     groups by ``timeouts.collective`` (a backstop: ParallelGroup's own deadlines come first).
     """
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeouts["rendezvous"]),
-                            device_id=device if device.type == "cuda" else None, pg_options=data_group_options(backend))
+    rendezvous = datetime.timedelta(seconds=timeouts["rendezvous"])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=rendezvous,
+                            device_id=device if device.type == "cuda" else None, pg_options=data_group_options(backend, rendezvous))
     collective = datetime.timedelta(seconds=timeouts["collective"])
     control = dist.new_group(backend="gloo", timeout=collective)
     if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
@@ -81,8 +81,9 @@ def init_groups(backend, store, rank, world_size, device, timeouts):
     return control
 
 
-def data_group_options(backend):
-    """NCCL on high-priority CUDA streams, else the defaults (None).
+def data_group_options(backend, timeout):
+    """NCCL on high-priority CUDA streams, else the defaults (None). ``timeout``: the group's timeout
+    (torch warns when the options carry another one than init_process_group's).
 
     Sequence-parallel attention issues each all-to-all and then, on the compute stream, the next
     chunk's kernels; at normal priority those kernels' waiting blocks take the SMs first and the
@@ -92,6 +93,7 @@ def data_group_options(backend):
         return None
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
+    options._timeout = timeout
     return options
 
 

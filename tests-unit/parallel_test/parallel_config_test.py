@@ -137,6 +137,10 @@ def test_nccl_data_group_uses_high_priority_streams(monkeypatch):
 
     if not hasattr(dist, "ProcessGroupNCCL"):
         monkeypatch.setattr(dist, "ProcessGroupNCCL", types.SimpleNamespace(Options=Options), raising=False)
-    assert pg.data_group_options("gloo") is None
-    options = pg.data_group_options("nccl")
+    import datetime
+
+    timeout = datetime.timedelta(seconds=42)
+    assert pg.data_group_options("gloo", timeout) is None
+    options = pg.data_group_options("nccl", timeout)
     assert isinstance(options, dist.ProcessGroupNCCL.Options) and options.is_high_priority_stream is True
+    assert options._timeout == timeout  # the same as init_process_group's, or torch warns
