@@ -52,8 +52,13 @@ def _own_sdpa(q, transformer_options):
     return optimized_attention is _attention.attention_pytorch and "optimized_attention_override" not in transformer_options
 
 
-def cast_to(weight, device):
-    return _mm.cast_to(weight, device=device) if IN_COMFYUI else weight.to(device)
+def cast_to(weight, device, dtype=None):
+    """A raw weight or buffer on `device` at `dtype` (None: as stored) for direct arithmetic.
+
+    Pass the compute dtype wherever the tensor meets activations: weights may be stored in fp8
+    (UNETLoader weight_dtype fp8_*), which kernels and most ops reject.
+    """
+    return _mm.cast_to(weight, dtype=dtype, device=device) if IN_COMFYUI else weight.to(device=device, dtype=dtype)
 
 
 def in_training():

@@ -90,7 +90,7 @@ class MiniMaxH3Model(nn.Module):
 
     def rope_freqs(self, position_ids, device):
         """[S, 3] float64 -> [S, 96] fp32 rope angles."""
-        return rope_angles(position_ids, kernels.cast_to(self.rope.inv_freq, device))
+        return rope_angles(position_ids, kernels.cast_to(self.rope.inv_freq, device, torch.float32))
 
     # -- forward -------------------------------------------------------------------------------------
 
@@ -146,7 +146,8 @@ class MiniMaxH3Model(nn.Module):
         t_vals = plan.timesteps.t_values(device)
         if self.use_adaln_curves:
             # adaln projections consume interpolated coordinates of the time-embedding curve
-            return curve_t_emb(kernels.cast_to(self.adaln_t_table, device), t_vals)
+            # an fp32 buffer by construction; explicit, as the table meets fp32 activations whatever a loader stored
+            return curve_t_emb(kernels.cast_to(self.adaln_t_table, device, torch.float32), t_vals)
         return self.time_embedder(t_vals).to(dtype)
 
     def embed(self, plan, shard, video_x, audio_x, context, payload, transformer_options):

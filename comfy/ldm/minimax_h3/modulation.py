@@ -4,6 +4,8 @@ Segments are global on a ForwardPlan and rebased to local row coordinates on a S
 below only ever see local segments, so they are the same for native and sharded runs.
 """
 
+import torch
+
 from . import kernels
 
 
@@ -45,7 +47,7 @@ def norm_scale_shift(norm, x, shift, scale, segments):
     if not kernels.fused_adaln(x) or not covered or patched or getattr(norm, "eps", None) is None or norm.weight is None:
         return mod_scale_shift(norm(x), shift, scale, segments)
     # every mod row folded at once (a handful of [M, hidden] kernels; per-row folding costs launches that show at small shards)
-    w = kernels.cast_to(norm.weight, x.device).float()
+    w = kernels.cast_to(norm.weight, x.device, torch.float32)
     scale = (w * (1.0 + scale.float()) - 1.0).to(x.dtype)
     shift = shift.to(x.dtype)
     big = max(segments, key=lambda seg: seg[1] - seg[0])[2]

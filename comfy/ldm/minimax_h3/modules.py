@@ -64,8 +64,9 @@ class Attention(nn.Module):
         q, k = qkv[:, 0, a:b], qkv[:, 1, a:b]  # [s, h, D] views
         if rope_freqs is None:
             return self.q_norm(q), self.k_norm(k)
-        qw = kernels.cast_to(self.q_norm.weight, qkv.device)
-        kw = kernels.cast_to(self.k_norm.weight, qkv.device)
+        # the fused kernel takes its scales at q/k's dtype; stored ones may be fp8
+        qw = kernels.cast_to(self.q_norm.weight, qkv.device, qkv.dtype)
+        kw = kernels.cast_to(self.k_norm.weight, qkv.device, qkv.dtype)
         q, k = kernels.rms_rope_(q.unsqueeze(0), k.unsqueeze(0), rope_freqs, qw, kw, self.q_norm.eps)
         return q[0], k[0]
 
