@@ -7,7 +7,9 @@ It runs for the life of the workers and, every ``POLL`` seconds or as soon as a 
   ``ParallelGroupError`` with its rank, exit code and log tail;
 * records ``ParallelOpError`` when a worker reports that an op raised;
 * enforces the in-flight op's deadline and cancel deadline: late workers first dump their stacks
-  into their logs (SIGUSR1 -> faulthandler), then are killed.
+  into their logs (SIGUSR1 -> faulthandler), then are killed. Only workers that replied "booted"
+  get SIGUSR1: before that their handler may not be installed, and the signal's default action
+  kills (the fault would read "killed by SIGUSR1" instead of a timeout).
 Recording a fault kills every worker, which also ends any collective rank 0 is blocked in, so no
 call waits past its deadline plus about a second.
 """
@@ -27,7 +29,7 @@ POLL = 0.1
 STACK_DUMP_WAIT = 0.3
 # how long a worker's op error waits for a peer's death to show (the same grace rank 0 gives its own errors)
 FOLLOW_ON_GRACE = 0.5
-_EXPECTED = {"spawned": "connected", "connected": "ready", "ready": "result"}
+_EXPECTED = {"spawned": "booted", "booted": "connected", "connected": "ready", "ready": "result"}
 _STATUSES = ("ok", "cancelled", "mismatch", "error")
 
 
@@ -97,18 +99,23 @@ class Monitor:
             if g._error is not None:
                 return g._error
             late = [w for w in g._workers if w.rank in ranks]
-            alive = [w for w in late if w.poll() is None]
-            for w in alive:
+            booting = [w.rank for w in late if w.phase == "spawned"]
+            dumping = [w for w in late if w.phase != "spawned" and w.poll() is None]
+            for w in dumping:
                 try:
                     w.proc.send_signal(signal.SIGUSR1)
                 except ProcessLookupError:
                     pass
-            if alive:
+            if dumping:
                 time.sleep(STACK_DUMP_WAIT)
+            stacks = "their stacks at the deadline are in their logs"
+            if booting:
+                stacks = (f"rank(s) {booting} were still starting Python (no 'booted' reply yet), so their logs hold no "
+                          "stack dump" + ("; the others' stacks at the deadline are in their logs" if dumping else ""))
             first = late[0] if late else None
             err = ParallelTimeout(
-                f"worker rank(s) {sorted(ranks)} did not finish {what}; they were killed (their stacks at the deadline "
-                "are in their logs)", rank=first.rank if first else None, log_tail=first.log_tail() if first else "",
+                f"worker rank(s) {sorted(ranks)} did not finish {what}; they were killed ({stacks})",
+                rank=first.rank if first else None, log_tail=first.log_tail() if first else "",
                 log_path=first.log_path if first else None,
                 hint="raise the matching Timeouts setting if the work is legitimately slow; otherwise look for a hang "
                      f"in the stack above; then {RESTART_HINT}")

@@ -42,7 +42,7 @@ _PREFIX = struct.Struct(">4sII")
 PAYLOAD_ALIGN = 64
 
 KINDS_TO_WORKER = frozenset({"hello", "run", "cancel", "shutdown"})
-KINDS_FROM_WORKER = frozenset({"connected", "ready", "result"})
+KINDS_FROM_WORKER = frozenset({"booted", "connected", "ready", "result"})
 
 # dtype name -> element size in bytes; the names are torch's (torch.float32 -> "float32").
 DTYPE_SIZES = {

@@ -2,7 +2,8 @@
 
 Spawned by ``ParallelGroup.start`` (never by hand). Start-up, in order:
   1. read the group token (32 raw bytes) and an authenticated "hello" (rank, world size, device,
-     backend, store port, worker spec, timeouts) from the command pipe;
+     backend, store port, worker spec, timeouts) from the command pipe; reply "booted" (from here on
+     SIGUSR1 dumps the stacks: rank 0 sends it to a late worker only after this reply);
   2. start the control reader thread: it turns "run"/"shutdown" into work for the main thread, a
      "cancel" into the flag ``ctx.cancelled()`` reads, and EOF (rank 0 gone) into an immediate exit;
   3. import the spec's modules (they register ops), connect to the store, reply "connected";
@@ -83,6 +84,9 @@ class Worker:
         self._store = None
 
     def serve(self):
+        # main() installed the SIGUSR1 stack dump; until rank 0 hears this it sends no SIGUSR1,
+        # whose default action would kill a worker still starting Python
+        self._send("booted", 0, {"pid": os.getpid()})
         threading.Thread(target=self._read_loop, name="parallel-control-reader", daemon=True).start()
         try:
             ctx = self._startup()
@@ -252,7 +256,7 @@ def main(argv=None):
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format=f"%(asctime)s rank{a.rank} pid{os.getpid()} %(levelname)s %(name)s: %(message)s")
     faulthandler.enable()
-    # rank 0 sends SIGUSR1 before killing a late worker, so its log shows where it was stuck
+    # rank 0 sends SIGUSR1 before killing a late worker that has replied "booted", so its log shows where it was stuck
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         token = read_exact(a.cmd_fd, TOKEN_BYTES, BOOT_TIMEOUT)
