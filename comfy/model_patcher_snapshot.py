@@ -1,14 +1,15 @@
 """PatchSnapshot: the versioned, content-addressed patch state of a ModelPatcher, for worker processes.
 
-A worker that builds the same base model (from its LoaderSpec) reproduces the downstream
-ModelPatcher's weights from a snapshot alone: no ModelPatcher internals and no pickle cross the
-process boundary.
+A worker that built the same base ModelPatcher (with rank 0's loader call) reproduces the
+downstream ModelPatcher from a snapshot alone, through ComfyUI's own patch API: no ModelPatcher
+internals and no pickle cross the process boundary.
 
     snap = PatchSnapshot.capture(patcher, previous=last)      # rank 0
     blob = snap.encode()             # or snap.diff(last).encode(): only the changed keys
     ...
     update = decode(blob)                                     # worker
-    applier.apply(update); ack = applier.ack(rank)
+    snap = update if update.kind == "snapshot" else update.apply_to(held)
+    comfy.model_management.load_models_gpu([snap.to_patcher(base)])
     require_acks(snap, acks, world_size)                      # rank 0, before denoising
 
 Capture reads only what a patcher exposes: ``patches``, ``patches_uuid``, ``object_patches``,
@@ -42,8 +43,7 @@ import sys
 import torch
 
 from comfy import model_patcher_snapshot_codec as codec
-from comfy.model_patcher_snapshot_apply import (SnapshotAck, SnapshotApplier, SnapshotApplyError,  # noqa: F401
-                                                SnapshotNotAcked, apply, require_acks, restore)
+from comfy.model_patcher_snapshot_apply import SnapshotAck, SnapshotApplyError, SnapshotNotAcked, require_acks  # noqa: F401
 from comfy.model_patcher_snapshot_codec import SnapshotFormatError
 from comfy.model_patcher_snapshot_validate import validate_manifest
 
@@ -273,6 +273,35 @@ class PatchSnapshot:
         payload = codec.write_payload(self.tensors, self.tensor_metas)
         return codec.pack({"digest": self.digest, "lineage": self.lineage}, self.manifest_bytes, payload)
 
+    def to_patcher(self, base):
+        """A clone of ``base`` (an unpatched ModelPatcher of the same model) holding this patch state,
+        set through ComfyUI's own API (``add_patches``, ``set_model_compute_dtype``); ComfyUI merges it
+        when the clone is loaded."""
+        import comfy.weight_adapter
+        adapters = {cls.name: cls for cls in comfy.weight_adapter.adapters}
+        p = base.clone()
+        # one add_patches call per (entry index, strengths): a LoRA loader's single call stays one
+        calls = {}
+        for key in self.keys():
+            for i, e in enumerate(self.patches[key]):
+                v = e["value"]
+                if v["type"] == "adapter":
+                    value = adapters[v["adapter"]](set(), tuple(_slot(s, self.tensors) for s in v["weights"]))
+                elif v["type"] == "diff":
+                    t = self.tensors[v["tensor"]]
+                    value = ("diff", (t, {"pad_weight": True}) if v["pad_weight"] else (t,))
+                else:
+                    value = ("set", (self.tensors[v["tensor"]],))
+                k = (key, tuple(e["offset"])) if e["offset"] is not None else key
+                calls.setdefault((i, e["strength"], e["strength_model"]), {})[k] = value
+        for (_, strength, strength_model), patches in sorted(calls.items(), key=lambda c: c[0][0]):
+            p.add_patches(patches, strength, strength_model)
+        if "manual_cast_dtype" in self.object_patches:
+            name = self.object_patches["manual_cast_dtype"]
+            p.set_model_compute_dtype(codec.DTYPES[name][0] if name is not None else None)
+        p.force_cast_weights = self.force_cast_weights
+        return p
+
     @staticmethod
     def decode(data, max_bytes=None) -> "PatchSnapshot":
         update = decode(data, max_bytes)
@@ -281,10 +310,12 @@ class PatchSnapshot:
         return update
 
     def diff(self, previous: "PatchSnapshot") -> "SnapshotDelta":
-        """The delta that turns ``previous`` into this snapshot: changed keys only."""
+        """The delta that turns ``previous`` into this snapshot: changed keys only, and of their tensors
+        only those ``previous`` does not hold already (a strength change sends numbers, not tensors)."""
         changed = sorted(k for k in self.patches if previous.key_digests.get(k) != self.key_digests[k])
         removed = sorted(set(previous.patches) - set(self.patches))
-        names = [n for k in changed for e in self.patches[k] for n in _names(e)]
+        names = [n for k in changed for e in self.patches[k] for n in _names(e)
+                 if previous.tensor_metas.get(n) != self.tensor_metas[n]]
         return SnapshotDelta({k: self.patches[k] for k in changed}, {n: self.tensors[n] for n in names},
                              {n: self.tensor_metas[n] for n in names}, removed, self.object_patches,
                              self.force_cast_weights, previous.version, self.version)
@@ -334,6 +365,10 @@ class SnapshotDelta:
         patches = {k: e for k, e in base.patches.items() if k not in stale}
         patches.update(self.patches)
         keep = [n for k in patches for e in patches[k] for n in _names(e)]
+        missing = [n for n in keep if n not in self.tensors and n not in base.tensors]
+        if missing:
+            raise SnapshotApplyError(f"delta references tensors that neither it nor version {base.lineage}/{base.digest[:12]} "
+                                     f"holds ({missing[:4]}); send the full snapshot instead")
         tensors = {n: self.tensors[n] if n in self.tensors else base.tensors[n] for n in keep}
         metas = {n: self.tensor_metas[n] if n in self.tensor_metas else base.tensor_metas[n] for n in keep}
         out = PatchSnapshot(dict(sorted(patches.items())), tensors, metas, self.object_patches,
@@ -352,6 +387,15 @@ class SnapshotDelta:
         return {"kind": "delta", "base": [self.base_lineage, self.base_digest[:16]],
                 "target": [self.lineage, self.target_digest[:16]], "changed": len(self.patches),
                 "removed": len(self.removed), "tensor_bytes": _bytes(self.tensor_metas)}
+
+
+def _slot(slot, tensors):
+    if slot is None:
+        return None
+    kind, value = next(iter(slot.items()))
+    if kind == "tensor":
+        return tensors[value]
+    return list(value) if kind == "ints" else value
 
 
 def _names(entry):

@@ -93,12 +93,15 @@ def _patches(patches, adapter_names, seen):
             _value(e["value"], key, i, adapter_names, seen)
 
 
-def _tensors(metas, seen):
+def _tensors(metas, seen, delta):
     if not isinstance(metas, dict):
         _fail("tensors", "an object of name -> {dtype, shape, sha256}", metas)
-    if len(seen) != len(set(seen)) or set(seen) != set(metas):
-        _fail("tensors", f"exactly the {len(set(seen))} tensors the patches reference",
-              sorted(set(metas) ^ set(seen))[:8])
+    if len(seen) != len(set(seen)):
+        _fail("tensors", "each tensor referenced once", sorted(n for n in set(seen) if seen.count(n) > 1)[:8])
+    # a delta carries only the referenced tensors its base does not hold already
+    if (not set(metas) <= set(seen)) if delta else set(seen) != set(metas):
+        _fail("tensors", f"{'a subset of' if delta else 'exactly'} the {len(set(seen))} tensors the patches reference",
+              sorted(set(metas) - set(seen) if delta else set(metas) ^ set(seen))[:8])
     for name, m in metas.items():
         where = f"tensors[{name!r}]"
         _keys(m, {"dtype", "shape", "sha256"}, where)
@@ -133,7 +136,7 @@ def validate_manifest(manifest, envelope, adapter_names) -> str:
         _fail("object_patches", "{} or {\"manual_cast_dtype\": null or a dtype name}", ops)
     seen = []
     _patches(manifest["patches"], adapter_names, seen)
-    _tensors(manifest["tensors"], seen)
+    _tensors(manifest["tensors"], seen, kind == "delta")
     if kind == "delta":
         _count(envelope["base_lineage"], "envelope.base_lineage")
         for f in ("base_digest", "target_digest"):

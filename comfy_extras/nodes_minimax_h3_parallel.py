@@ -1,80 +1,76 @@
 """MiniMax H3 Sequence Parallel: run an H3 model's denoising steps sharded over several GPUs.
 
-The node attaches a SequenceParallel runner to a clone of the model. Before every sampling run
-(ON_PRE_RUN, on the patcher that actually samples, i.e. after any LoRA loaders downstream) the
-worker processes are started if needed and brought to that patcher's PatchSnapshot; every step
-then runs sharded, rank 0 being this process. ComfyUI's interrupt cancels the step in flight; the
-workers are shut down when the model is unloaded and restarted on next use.
+The node attaches a SequenceParallel runner to a clone of the model. Workers belong to the base
+model and the device list: they start before the first sampling run and are brought to the patch
+state of the patcher that samples (ON_PRE_RUN, after any LoRA loaders downstream) before every
+run; new seeds and LoRA edits reuse them. They end when ComfyUI unloads the model or frees it.
 """
 
 import logging
+import sys
 import weakref
 
 import torch
 
 import comfy.model_management
 import comfy.patcher_extension
-import comfy.sd
-from comfy import model_patcher_snapshot as snapshots
-from comfy.ldm.minimax_h3.checkpoint import LoaderSpec
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model
 from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel
+from comfy.parallel import headless
 from comfy_api.latest import ComfyExtension, io
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# base model (shared by every clone of it) -> {devices: SequenceParallel}
+_RUNNERS = weakref.WeakKeyDictionary()
 
 
 def parse_devices(text):
-    """'auto' -> every visible CUDA device; else a comma list such as 'cuda:0,cuda:1' or 'cpu,cpu'."""
+    """'auto' -> every device ComfyUI sees; else a comma list such as 'cuda:0,cuda:1' (or 'cpu,cpu' on a CPU run)."""
     text = text.strip()
     if text == "auto":
-        n = torch.cuda.device_count()
-        if n < 2:
-            raise ValueError(f"'auto' found {n} CUDA device(s); sequence parallelism needs at least 2. "
-                             "List devices explicitly, e.g. 'cuda:0,cuda:1'")
-        return [f"cuda:{i}" for i in range(n)]
+        devices = [str(d) for d in comfy.model_management.get_all_torch_devices()]
+        if len(devices) < 2:
+            raise ValueError(f"'auto' found {len(devices)} device(s) ({', '.join(devices) or 'none'}); sequence "
+                             "parallelism needs at least 2 GPUs. List devices explicitly, e.g. 'cuda:0,cuda:1'")
+        return devices
     devices = [d.strip() for d in text.split(",") if d.strip()]
     if len(devices) < 2:
         raise ValueError(f"devices {text!r} names {len(devices)} device(s); give at least 2, e.g. 'cuda:0,cuda:1'")
-    return devices
+    return [str(torch.device(d)) for d in devices]
 
 
-def loader_spec_for(patcher):
-    """The LoaderSpec of the checkpoint a core loader built this model from."""
-    init = getattr(patcher, "cached_patcher_init", None)
-    loaders = (comfy.sd.load_diffusion_model, comfy.sd.load_checkpoint_guess_config)
-    if init is None or init[0] not in loaders:
-        raise ValueError("MiniMax H3 Sequence Parallel needs a model loaded by 'Load Diffusion Model' or 'Load Checkpoint': "
-                         "worker processes rebuild the base model from that file")
-    diffusion = patcher.model.diffusion_model
-    dtype = next(iter(diffusion.parameters())).dtype if diffusion.dtype is None else diffusion.dtype
-    quantized = sorted({str(p.dtype) for p in diffusion.parameters() if p.dtype not in _DTYPE_NAMES})
-    if dtype not in _DTYPE_NAMES or quantized:
-        raise ValueError(f"MiniMax H3 Sequence Parallel supports bf16/fp16/fp32 weights; this model has {quantized or dtype}. "
-                         "Load the bf16 checkpoint (quantized workers are not supported yet)")
-    return LoaderSpec.for_file(init[1][0], dtype=_DTYPE_NAMES[dtype])
+def runner_for(model, devices):
+    """The SequenceParallel of ``model``'s base model on ``devices``, made on first use."""
+    base = model.model
+    runners = _RUNNERS.setdefault(base, {})
+    key = tuple(devices)
+    if key not in runners:
+        sp = runners[key] = SequenceParallel(devices, headless.loader_call(model), headless.execution_settings())
+        weakref.finalize(base, sp.close)
+    return runners[key]
 
 
 def attach(model, devices):
-    """A clone of `model` whose H3 steps run on `devices` (rank 0 = this process, devices[0])."""
+    """A clone of ``model`` whose H3 steps run on ``devices`` (rank 0 = this process, devices[0])."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"MiniMax H3 Sequence Parallel runs on Linux only (this is {sys.platform}): its workers "
+                           "inherit private pipes and use NCCL")
     diffusion = model.model.diffusion_model
     if not isinstance(diffusion, MiniMaxH3Model):
         raise ValueError(f"MiniMax H3 Sequence Parallel needs a MiniMax H3 model, got {type(diffusion).__name__}")
-    if torch.device(devices[0]) != comfy.model_management.get_torch_device():
+    if torch.device(devices[0]) != torch.device(comfy.model_management.get_torch_device()):
         raise ValueError(f"the first device must be the one ComfyUI runs on ({comfy.model_management.get_torch_device()}), "
                          f"got {devices[0]}")
-    # dynamic VRAM merges LoRAs at forward time in the compute dtype; workers merge like patch_model()
-    m = model.clone(disable_dynamic=True)
-    sp = SequenceParallel(devices, loader_spec_for(m))
-    weakref.finalize(sp, sp.group.close)
+    sp = runner_for(model, devices)
+    m = model.clone()
 
     def on_pre_run(patcher):
-        sp.ensure_started(patcher.model.diffusion_model)
-        sp.sync(snapshots.PatchSnapshot.capture(patcher, previous=sp.synced))
+        sp.prepare(patcher)
 
     def on_detach(patcher, unpatch_all):
-        logging.info("MiniMax H3 sequence parallel: model unloaded, closing %d worker(s)", len(devices) - 1)
-        sp.close()
+        # a clone replacing another (new seed, LoRA edit) detaches without unpatch_all; an unload unpatches
+        if unpatch_all and sp.group.state != "idle":
+            logging.info("MiniMax H3 sequence parallel: model unloaded, closing %d worker(s)", len(devices) - 1)
+            sp.close()
 
     m.add_callback(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, on_pre_run)
     m.add_callback(comfy.patcher_extension.CallbacksMP.ON_DETACH, on_detach)
@@ -95,7 +91,7 @@ class MiniMaxH3SequenceParallel(io.ComfyNode):
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("devices", default="auto",
-                                tooltip="'auto' for every visible GPU, or a list such as 'cuda:0,cuda:1'; "
+                                tooltip="'auto' for every GPU ComfyUI sees, or a list such as 'cuda:0,cuda:1'; "
                                         "the first is the GPU ComfyUI runs on"),
             ],
             outputs=[io.Model.Output()],

@@ -74,3 +74,32 @@ def comfyui_models(comfyui_dir, _media_stub_dir, monkeypatch):
     import comfy.model_patcher  # noqa: F401
     import comfy.sd  # noqa: F401
     return comfyui_dir
+
+
+REEXPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches", "overlay")
+
+
+@pytest.fixture(scope="session")
+def _patched_stub_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("patched_stub")
+    (d / "sitecustomize.py").write_text("import sys\nimport absent_media_packages\nabsent_media_packages.install()\n"
+                                        f"sys.path.insert(0, {REEXPORT_DIR!r})\n")
+    return str(d)
+
+
+@pytest.fixture
+def comfyui_patched(comfyui_models, _patched_stub_dir, monkeypatch):
+    """As in a tree with the patch series applied: ComfyUI's comfy.ldm.minimax.model is the re-export
+    of this package, here (module swapped) and in every worker process (re-export first on sys.path)."""
+    import comfy.ldm.minimax
+    import comfy.ldm.minimax.model as current
+    from comfy.ldm.minimax_h3.model import MiniMaxH3Model
+    if current.MiniMaxH3Model is MiniMaxH3Model:
+        return comfyui_models  # a patched tree
+    spec = importlib.util.spec_from_file_location("comfy.ldm.minimax.model", os.path.join(REEXPORT_DIR, "comfy", "ldm", "minimax", "model.py"))
+    reexport = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reexport)
+    monkeypatch.setitem(sys.modules, "comfy.ldm.minimax.model", reexport)
+    monkeypatch.setattr(comfy.ldm.minimax, "model", reexport, raising=False)
+    monkeypatch.syspath_prepend(_patched_stub_dir)
+    return comfyui_models

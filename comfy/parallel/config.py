@@ -15,7 +15,7 @@ from .errors import WorkerSpecError
 from .protocol import canonical_json
 
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_SPEC_KEYS = ("imports", "setup", "setup_args")
+_SPEC_KEYS = ("imports", "setup", "setup_args", "comfyui")
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def parse_devices(devices):
 
 
 def validate_worker_spec(spec):
-    """Check and normalize ``{"imports": [...], "setup": "module:function" | None, "setup_args": {...}}``."""
+    """Check and normalize ``{"imports": [...], "setup": "module:function" | None, "setup_args": {...},
+    "comfyui": execution settings | None}`` (``comfyui``: see ``headless.execution_settings``)."""
     if not isinstance(spec, dict):
         raise WorkerSpecError(f"worker_spec must be a dict with keys {list(_SPEC_KEYS)}, got {type(spec).__name__}")
     unknown = sorted(set(spec) - set(_SPEC_KEYS))
@@ -101,7 +102,10 @@ def validate_worker_spec(spec):
     setup_args = spec.get("setup_args") or {}
     if not isinstance(setup_args, dict):
         raise WorkerSpecError(f"worker_spec['setup_args'] must be a JSON object (keyword arguments of setup), got {type(setup_args).__name__}")
-    return {"imports": list(imports), "setup": setup, "setup_args": setup_args}
+    comfyui = spec.get("comfyui")
+    if comfyui is not None and not isinstance(comfyui, dict):
+        raise WorkerSpecError(f"worker_spec['comfyui'] must be execution settings (a JSON object) or None, got {type(comfyui).__name__}")
+    return {"imports": list(imports), "setup": setup, "setup_args": setup_args, "comfyui": comfyui}
 
 
 def loopback_ifname():

@@ -154,7 +154,7 @@ class Worker:
 
         from . import comm, pg
         from .ops import OpContext
-        _configure_comfyui(self.device_name)
+        _configure_comfyui(self.spec.get("comfyui"), self.device_name)
         for name in self.spec.get("imports") or []:
             logger.info("importing %s", name)
             importlib.import_module(name)
@@ -271,13 +271,16 @@ def main(argv=None):
     worker.serve()
 
 
-def _configure_comfyui(device_name):
-    """Inside a ComfyUI tree, tell ComfyUI's model management this worker's device kind before any
-    model code imports it: it asserts CUDA at import unless told to run on the CPU."""
-    if importlib.util.find_spec("comfy.cli_args") is None:
-        return
-    from comfy.cli_args import args
-    if device_name.startswith("cpu"):
+def _configure_comfyui(settings, device_name):
+    """A headless ComfyUI takes rank 0's execution settings before any model code imports
+    comfy.model_management (which reads them at import). Without settings, a CPU worker still tells
+    ComfyUI, if present, to run on the CPU: it asserts CUDA at import otherwise."""
+    kind = "cpu" if device_name.startswith("cpu") else "cuda"
+    if settings is not None:
+        from . import headless
+        headless.configure(settings, kind)
+    elif kind == "cpu" and importlib.util.find_spec("comfy.cli_args") is not None:
+        from comfy.cli_args import args
         args.cpu = True
 
 

@@ -1,27 +1,35 @@
-"""Overlay: the "MiniMax H3 Sequence Parallel" node on a real ModelPatcher with a real LoRA (CPU, gloo).
+"""The "MiniMax H3 Sequence Parallel" node inside a real ComfyUI (CPU, gloo).
 
-The model comes from comfy.sd.load_diffusion_model and the LoRA from comfy.sd.load_lora_for_models
-downstream of the node, as in a workflow; the sampler's order of calls (load_models_gpu, pre_run,
-forward) is followed. The node's output must equal the same model without the node (fp32,
-max |diff| <= 1e-5 relative), and unloading the model must shut the workers down.
+ComfyUI's own loader nodes, LoRA loader, ModelPatcher and sampler drive the node as a workflow does;
+every result is compared with the same workflow without the node. Workers are headless ComfyUI
+processes that rebuild the model with rank 0's loader call and take the patches through ComfyUI's
+patch path, so a case passes only if that rebuild matches rank 0 for its weight format.
+
+Tolerance: max |sharded - native| <= 1e-5 * max |native|. On the CPU every format computes in fp32
+(ComfyUI casts bf16 and fp8 weights up), and sharding only changes which rank computes which rows and
+heads, so the two runs differ by float reassociation at most; a LoRA or another weight format moves
+the output by more than 1e-3 (asserted), so the tolerance separates right from wrong.
 """
+
+import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfy.ldm.minimax_h3.layout import PackedLayout
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model
-from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, random_state_dict, step_inputs
+from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+from h3_files import write_h3_file
 
 pytestmark = pytest.mark.comfyui
+TOL = 1e-5
 
 
-def _lora(model, rank=4, seed=5):
-    """A LoRA file's state dict in the kohya naming ComfyUI maps onto H3's linears."""
+def _lora(rank=4, seed=5):
+    """A LoRA file's state dict in the kohya naming ComfyUI maps onto H3's block linears."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
-    for name, w in model.state_dict().items():
+    for name, w in MiniMaxH3Model(**TINY_CONFIG, device="meta").state_dict().items():
         if name.endswith(("qkv_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight")):
             stem = "lora_unet_" + name[:-len(".weight")].replace(".", "_")
             sd[stem + ".lora_up.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.1
@@ -30,49 +38,194 @@ def _lora(model, rank=4, seed=5):
     return sd
 
 
+LORA_KEYS = len(_lora()) // 3  # up, down, alpha per weight
+
+
+class Workflow:
+    """ComfyUI's nodes on a models folder of tiny H3 files; ``step`` runs one denoising step as the sampler does."""
+
+    def __init__(self, root):
+        import nodes
+        from comfy_extras import nodes_minimax_h3_parallel, nodes_model_advanced
+        self.nodes, self.sp_node, self.advanced = nodes, nodes_minimax_h3_parallel, nodes_model_advanced
+        self.root = root
+
+    def unet(self, name, weight_dtype="default"):
+        return self.nodes.UNETLoader().load_unet(name, weight_dtype)[0]
+
+    def unet_with(self, name, **model_options):
+        """ComfyUI's loader with model_options no loader node offers (bf16 storage on a CPU that would upcast)."""
+        import comfy.sd
+        import folder_paths
+        return comfy.sd.load_diffusion_model(folder_paths.get_full_path_or_raise("diffusion_models", name), model_options=model_options)
+
+    def lora(self, model, strength, name="lora.safetensors"):
+        return self.nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, strength)[0]
+
+    def parallel(self, model, devices):
+        return self.sp_node.MiniMaxH3SequenceParallel.execute(model, devices).result[0]
+
+    def compute_dtype(self, model, dtype):
+        return self.advanced.ModelComputeDtype().patch(model, dtype)[0]
+
+    def attention(self, model, name):
+        return self.advanced.ModelAttentionBackend().patch(model, name)[0]
+
+    @staticmethod
+    def step(patcher, seed=0):
+        import comfy.model_management
+        comfy.model_management.load_models_gpu([patcher])
+        patcher.pre_run()
+        x, t, c, p = step_inputs(TINY_CONFIG, "keyframes", seed=seed, height=5)
+        c = c.to(patcher.model.get_dtype_inference())
+        with torch.no_grad():
+            return patcher.model.diffusion_model(x, t, c, transformer_options=dict(patcher.model_options["transformer_options"]),
+                                                 minimax_payload=p)
+
+
+def _rel(a, b):
+    return max(float((u - v).abs().max() / v.abs().max()) for u, v in zip(a, b))
+
+
+def _runner(patcher):
+    return patcher.model_options["transformer_options"][SEQUENCE_PARALLEL_OPTION]
+
+
 @pytest.fixture
-def h3_file(tmp_path):
-    model = MiniMaxH3Model(**TINY_CONFIG, dtype=torch.float32)
-    path = str(tmp_path / "h3_tiny.safetensors")
-    save_file({k: v.contiguous() for k, v in random_state_dict(model, seed=2).items()}, path)
-    return path, model
+def workflow(comfyui_patched, tmp_path, monkeypatch):
+    import folder_paths
+    for kind in ("diffusion_models", "loras"):
+        (tmp_path / kind).mkdir()
+        monkeypatch.setitem(folder_paths.folder_names_and_paths, kind, ([str(tmp_path / kind)], folder_paths.supported_pt_extensions))
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    write_h3_file(str(tmp_path / "diffusion_models" / "h3_fp32.safetensors"), TINY_CONFIG, seed=2)
+    write_h3_file(str(tmp_path / "diffusion_models" / "h3_bf16.safetensors"), TINY_CONFIG, seed=2, dtype=torch.bfloat16)
+    write_h3_file(str(tmp_path / "diffusion_models" / "h3_scaled_fp8.safetensors"), TINY_CONFIG, seed=2, fmt="scaled_fp8")
+    save_file(_lora(), str(tmp_path / "loras" / "lora.safetensors"))
+    return Workflow(tmp_path)
 
 
-def test_node_matches_the_model_without_it(comfyui_models, h3_file, monkeypatch):
-    import comfy.ldm.minimax.model as upstream
+def _formats(w):
+    """(name, base model, native-side transform, weight dtype that must be loaded) per weight format."""
+    def bf16_fp32_compute(m):
+        return w.compute_dtype(m, "fp32")
+    return [
+        ("fp32", lambda: w.unet("h3_fp32.safetensors"), None, torch.float32),
+        ("bf16 weights, fp32 compute", lambda: w.unet_with("h3_bf16.safetensors", dtype=torch.bfloat16), bf16_fp32_compute,
+         torch.bfloat16),
+        ("fp8_e4m3fn weights", lambda: w.unet("h3_fp32.safetensors", "fp8_e4m3fn"), None, torch.float8_e4m3fn),
+        ("scaled fp8 file", lambda: w.unet("h3_scaled_fp8.safetensors"), None, None),
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_node_matches_the_workflow_without_it_for_every_weight_format(workflow, world, monkeypatch):
     import comfy.model_management
-    import comfy.sd
-    # what the patch series does: the upstream module re-exports this package's model
-    monkeypatch.setattr(upstream, "MiniMaxH3Model", MiniMaxH3Model)
-    monkeypatch.setattr(upstream, "PackedLayout", PackedLayout)
-    from comfy_extras.nodes_minimax_h3_parallel import MiniMaxH3SequenceParallel, parse_devices
+    w = workflow
+    formats = _formats(w) if world == 3 else _formats(w)[1:3]
+    natives = {}
+    for name, load, extra, weight_dtype in formats:
+        base = load()
+        if weight_dtype is not None:
+            assert base.model.diffusion_model.blocks[0].attn.qkv_proj.weight.dtype == weight_dtype, name
+        node = w.parallel(base, ",".join(["cpu"] * world))
+        if extra is not None:
+            base, node = extra(base), extra(node)
+        sp = _runner(node)
+        try:
+            native, native_lora = w.step(base), w.step(w.lora(base, 0.8))
+            sharded = w.step(node)
+            pids = sp.group.worker_pids()
+            assert sp.last_sent["kind"] == "snapshot" and sp.last_sent["keys"] == 0
+            sharded_lora = w.step(w.lora(node, 0.8))
+            assert sp.last_sent["kind"] == "delta" and sp.last_sent["changed"] == LORA_KEYS
+            assert sp.group.worker_pids() == pids and len(pids) == world - 1
+        finally:
+            sp.close()
+            comfy.model_management.unload_all_models()
+        assert _rel(sharded, native) <= TOL, name
+        assert _rel(sharded_lora, native_lora) <= TOL, name
+        assert _rel(native_lora, native) > 1e-3, name  # the LoRA really changes the result
+        natives[name] = native
+    first = next(iter(natives.values()))
+    for name, out in list(natives.items())[1:]:
+        assert _rel(out, first) > 1e-4, f"{name} computes exactly what the first format does: the format was not applied"
 
-    path, template = h3_file
-    base = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32})
-    assert isinstance(base.model.diffusion_model, MiniMaxH3Model)
-    lora = _lora(template)
-    plain, _ = comfy.sd.load_lora_for_models(base, None, lora, 0.8, 0)
-    node_out = MiniMaxH3SequenceParallel.execute(base, "cpu, cpu, cpu").result[0]
-    sampled, _ = comfy.sd.load_lora_for_models(node_out, None, lora, 0.8, 0)
-    sp = sampled.model_options["transformer_options"][SEQUENCE_PARALLEL_OPTION]
+
+def test_attention_backend_node_runs_on_every_rank(workflow):
+    w = workflow
+    base = w.attention(w.unet("h3_fp32.safetensors"), "pytorch attention")
+    node = w.attention(w.parallel(w.unet("h3_fp32.safetensors"), "cpu,cpu"), "pytorch attention")
     try:
-        outs, synced = [], []
-        for patcher in (plain, sampled, base):
-            comfy.model_management.load_models_gpu([patcher])
-            patcher.pre_run()
-            x, t, c, p = step_inputs(TINY_CONFIG, "keyframes", height=5)
-            with torch.no_grad():
-                outs.append(patcher.model.diffusion_model(
-                    x, t, c, transformer_options=dict(patcher.model_options.get("transformer_options", {})),
-                    minimax_payload=p))
-            synced.append((sp.group.state, sp.synced.key_count if sp.synced else None))
-        # ComfyUI unloads the sampled model to load the base one: the workers went with it
-        assert synced == [("idle", None), ("ready", len(lora) // 3), ("closed", None)]
-        rel = [max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(o, outs[0])) for o in outs[1:]]
-        assert rel[0] <= 1e-5  # node + LoRA on 3 ranks == LoRA in one process
-        assert rel[1] > 1e-3  # and the LoRA really changes the result
-
+        assert _rel(w.step(node), w.step(base)) <= TOL
     finally:
-        sp.close()
-    with pytest.raises(ValueError, match="at least 2"):
-        parse_devices("cuda:0")
+        _runner(node).close()
+
+
+def test_sampling_again_and_lora_edits_reuse_the_workers_and_unload_ends_them(workflow):
+    import comfy.model_management
+    w = workflow
+    node = w.parallel(w.unet("h3_fp32.safetensors"), "cpu,cpu,cpu")
+    sp = _runner(node)
+    lora = w.lora(node, 0.8)
+    w.step(lora, seed=0)
+    pids, log_dir = sp.group.worker_pids(), sp.group.log_dir
+    assert len(pids) == 2 and sp.last_sent["kind"] == "snapshot" and sp.last_sent["tensor_bytes"] > 0
+    w.step(lora, seed=1)  # new seed: nothing to send
+    assert sp.last_sent is None and sp.group.worker_pids() == pids
+    w.step(w.lora(node, 0.5), seed=1)  # strength change: numbers only
+    assert sp.last_sent["kind"] == "delta" and sp.last_sent["changed"] == LORA_KEYS and sp.last_sent["tensor_bytes"] == 0
+    assert sp.group.worker_pids() == pids
+    w.step(node)  # LoRA removed
+    assert sp.last_sent["kind"] == "delta" and sp.last_sent["removed"] == LORA_KEYS and sp.group.worker_pids() == pids
+    # the node ran once: a rerun of the workflow with another LoRA reuses the same runner
+    assert _runner(w.lora(node, 0.3)) is sp
+    comfy.model_management.unload_all_models()
+    assert sp.group.state == "closed" and sp.group.worker_pids() == {}
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not os.path.exists(log_dir) or os.listdir(log_dir) == []
+
+
+@pytest.mark.parametrize("flag, field", [("use_split_cross_attention", "attention"), ("fp16_unet", "model_dtype")])
+def test_workers_that_would_run_the_model_differently_are_refused_before_any_step(workflow, monkeypatch, flag, field):
+    from comfy.parallel import headless
+    real = headless.execution_settings
+
+    def skewed():
+        settings = real()
+        settings["args"][flag] = True
+        return settings
+    monkeypatch.setattr(headless, "execution_settings", skewed)
+    w = workflow
+    node = w.parallel(w.unet("h3_fp32.safetensors"), "cpu,cpu")
+    sp = _runner(node)
+    with pytest.raises(ValueError, match=f"rank 1 does not run the model as rank 0 does \\({field}: "):
+        w.step(node)
+    assert sp.group.state == "closed" and sp.synced is None
+
+
+def test_ksampler_with_cfg_and_a_lora_downstream_equals_the_workflow_without_the_node(workflow):
+    import comfy.model_management
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+    w = workflow
+    latent = EmptyMiniMaxH3LatentAV.execute(32, 32, 5).result[0]
+    g = torch.Generator().manual_seed(3)
+    positive = [[torch.randn(1, 7, TINY_CONFIG["text_dim"], generator=g), {}]]
+    negative = [[torch.randn(1, 5, TINY_CONFIG["text_dim"], generator=g), {}]]
+    base = w.unet("h3_fp32.safetensors")
+    node = w.parallel(base, "cpu,cpu")
+    runs = []
+    try:
+        for model in (w.lora(base, 0.8), w.lora(node, 0.8)):
+            out = w.nodes.common_ksampler(model, 7, 3, 2.5, "euler", "simple", positive, negative, latent)[0]["samples"]
+            runs.append(out.unbind() if out.is_nested else [out])
+        assert _runner(node).group.state == "ready"
+        assert _runner(node).steps_run == 2 * 3  # cond and uncond of every step ran sharded
+    finally:
+        _runner(node).close()
+        comfy.model_management.unload_all_models()
+    native, sharded = runs
+    assert _rel(sharded, native) <= TOL
+    assert float(native[0].abs().max()) > 0

@@ -1,59 +1,68 @@
-"""H3 sequence parallelism on a comfy.parallel group.
+"""H3 sequence parallelism on a comfy.parallel group of headless ComfyUI workers.
 
-Rank 0 (ComfyUI) holds a ``SequenceParallel`` for one model. It starts a ParallelGroup whose
-workers build the same base model from a LoaderSpec, keeps every rank on the current
-PatchSnapshot (acked before any step may run), and is the runner ``MiniMaxH3Model._forward``
-calls through ``transformer_options[SEQUENCE_PARALLEL_OPTION]``: each step's inputs are broadcast
-once, every rank rebuilds the same ForwardPlan, proves it with a preflight digest (which also
-covers the patch version), runs its shard, and rank 0 receives the full target rows.
+Rank 0 (ComfyUI) holds one ``SequenceParallel`` per base model and device list. Its workers build
+the same base model with rank 0's own loader call and execution settings, hold it in a ModelPatcher
+and take rank 0's patch state as PatchSnapshots through ComfyUI's own patch path. Each step's inputs
+are broadcast once; every rank rebuilds the ForwardPlan and proves plan, patch version and model
+set-up equal in a preflight before its shard runs; rank 0 receives the full target rows.
 """
 
-import hashlib
 import logging
 import threading
+import types
 
 import torch
 
+import comfy.ldm.modules.attention
+import comfy.model_management
+import comfy.model_patcher
 from comfy import model_patcher_snapshot as snapshots
-from comfy.parallel import ParallelCancelled, ParallelGroup, register_op
+from comfy.parallel import ParallelCancelled, ParallelGroup, headless, register_op
 
-from .checkpoint import LoaderSpec
 from .step_io import decode_step, encode_step
 from .ulysses import DEFAULT_CHUNKS, sharded_forward
 
 OP_FORWARD = "minimax_h3.forward"
 OP_PATCHES = "minimax_h3.patches"
-KEY_PREFIX = "diffusion_model."  # PatchSnapshot keys are the ModelPatcher's
+# compared when the workers are ready; manual_cast_dtype follows the patch state (ModelComputeDtype)
+# and is compared every step instead
+SETUP_FIELDS = ("model_dtype", "patcher", "attention", "torch", "code_sha256")
 
 
-def worker_spec(loader_spec):
-    return {"imports": [__name__], "setup": f"{__name__}:setup_worker", "setup_args": {"loader_spec": loader_spec.to_json()}}
+def worker_spec(call, settings):
+    return {"imports": [__name__], "setup": f"{__name__}:setup_worker", "setup_args": {"call": call}, "comfyui": settings}
 
 
-def setup_worker(ctx, loader_spec):
-    """Worker start-up: build the base model the LoaderSpec describes on this rank's device."""
-    spec = LoaderSpec.from_json(loader_spec)
-    ctx.state["model"] = spec.load(device=ctx.device)
-    ctx.state["patch_version"] = snapshots.PatchSnapshot.empty().version
-
-
-def _digest(plan, patch_version):
-    return hashlib.sha256(f"{plan.digest()}|{patch_version[0]}|{patch_version[1]}".encode()).hexdigest()
+def setup_worker(ctx, call):
+    """Worker start-up: rank 0's loader call builds the base model, held by a ModelPatcher."""
+    base = headless.load(call)
+    ctx.state.update(base=base, patcher=base, model=base.model.diffusion_model, snapshot=snapshots.PatchSnapshot.empty(),
+                     describe=headless.describe(base))
+    return {"setup": ctx.state["describe"]}
 
 
 @register_op(OP_PATCHES)
 def patches_op(ctx, tensors, meta):
-    """Bring this rank's weights to the snapshot (or delta) sent; answer with an ack."""
+    """Bring this rank's ModelPatcher to the snapshot (or delta) sent; answer with an ack."""
     target = meta["target"]
-    if ctx.rank != 0 or meta["apply_on_rank0"]:
-        update = snapshots.decode(tensors["snapshot"].cpu().numpy().tobytes())
-        applier = snapshots.apply(update, ctx.state["model"], key_prefix=KEY_PREFIX, backup_device="cpu")
-        ack = applier.ack(ctx.rank)
-    else:
-        # rank 0's weights are the ModelPatcher's own: it holds the captured version by construction
-        ack = snapshots.SnapshotAck(0, target["lineage"], target["digest"], target["key_count"])
-    ctx.state["patch_version"] = ack.version
-    return {}, {"ack": ack.to_json()}
+    if ctx.rank == 0:
+        # rank 0 samples with the very ModelPatcher the snapshot was captured from
+        ctx.state["patch_version"] = (target["lineage"], target["digest"])
+        return {}, {"ack": snapshots.SnapshotAck(0, target["lineage"], target["digest"], target["key_count"]).to_json()}
+    update = snapshots.decode(tensors["snapshot"].cpu().numpy().tobytes())
+    held, ctx.state["snapshot"] = ctx.state["snapshot"], None  # nothing a later delta could build on until this lands
+    snap = update if update.kind == "snapshot" else update.apply_to(held)
+    patcher = snap.to_patcher(ctx.state["base"])
+    comfy.model_management.load_models_gpu([patcher])  # ComfyUI's own patching (or DynamicVRAM's forward-time patches)
+    ctx.state.update(patcher=patcher, snapshot=snap, patch_version=snap.version, describe=headless.describe(patcher))
+    return {}, {"ack": snapshots.SnapshotAck(ctx.rank, snap.lineage, snap.digest, snap.key_count).to_json()}
+
+
+def _attention_override(name):
+    """The override ModelPatcher.set_model_optimized_attention installs for a registered backend."""
+    holder = types.SimpleNamespace(model_options={"transformer_options": {}})
+    comfy.model_patcher.ModelPatcher.set_model_optimized_attention(holder, comfy.ldm.modules.attention.get_attention_function(name))
+    return holder.model_options["transformer_options"]["optimized_attention_override"]
 
 
 @register_op(OP_FORWARD)
@@ -61,9 +70,11 @@ def forward_op(ctx, tensors, meta):
     """One step's part on this rank; rank 0 gets the full (video, audio) target rows."""
     model = ctx.state["model"]
     video, audio, timestep, context, payload, options = decode_step(tensors, meta["step"])
+    if meta["attention"] is not None:
+        options["optimized_attention_override"] = _attention_override(meta["attention"])
     plan = model.plan(video, tuple(meta["orig_thw"]), audio, timestep, context, options, payload)
-    # same plan and same patch version on every rank, checked before the first data collective
-    ctx.preflight(_digest(plan, tuple(ctx.state["patch_version"])))
+    # same plan, patch state and model set-up on every rank, checked before the first data collective
+    ctx.preflight(headless.digest([plan.digest(), list(ctx.state["patch_version"]), ctx.state["describe"]]))
     with torch.no_grad():
         v, a = sharded_forward(model, plan, ctx.rank, ctx.world_size, video, audio, context, payload, options,
                                group=ctx.data_group, chunks=meta["chunks"])
@@ -71,58 +82,88 @@ def forward_op(ctx, tensors, meta):
 
 
 class SequenceParallel:
-    """Rank 0's handle on the ranks running one H3 model; see the module docstring."""
+    """Rank 0's handle on the ranks running one H3 base model; see the module docstring.
 
-    def __init__(self, devices, loader_spec, timeouts=None, log_dir=None, apply_on_rank0=False, name="minimax_h3",
-                 chunks=DEFAULT_CHUNKS):
+    ``call``: ``headless.loader_call`` of the base ModelPatcher; ``settings``: ``headless.execution_settings()``.
+    """
+
+    def __init__(self, devices, call, settings, timeouts=None, log_dir=None, name="minimax_h3", chunks=DEFAULT_CHUNKS):
         if len(devices) < 2:
             raise ValueError(f"sequence parallelism needs at least 2 devices, got {devices}; use the model directly on one")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks (all-to-all pipeline depth) must be an integer >= 1, got {chunks!r}")
         self.chunks = chunks
         self.devices = list(devices)
-        self.loader_spec = loader_spec
-        self.apply_on_rank0 = apply_on_rank0
+        self.spec = worker_spec(call, settings)
         self.group = ParallelGroup(name, log_dir=log_dir, timeouts=timeouts)
         self.synced = None  # PatchSnapshot every rank acked
+        self.last_sent = None  # describe() of the last update sync() sent; None when the last call sent nothing
+        self.steps_run = 0
+        self._rank0 = {}  # rank 0's ctx.state: no reference to a ModelPatcher, which would keep the base model alive
 
     @property
     def world_size(self):
         return len(self.devices)
 
-    def ensure_started(self, model):
-        """Start (or restart after a fault) the workers; rank 0 runs ops on `model`."""
+    def prepare(self, patcher):
+        """Before sampling with ``patcher`` (ON_PRE_RUN): workers started, every rank on its patch state."""
+        self.ensure_started(patcher)
+        self._rank0["describe"] = headless.describe(patcher)
+        self.sync(snapshots.PatchSnapshot.capture(patcher, previous=self.synced))
+
+    def ensure_started(self, patcher):
+        """Start (or restart after a fault) the workers; rank 0 runs ops on ``patcher``'s model."""
         if self.group.state == "ready":
             return
         if self.group.state not in ("idle", "closed"):
             self.group.close()
-        heads = model.num_heads
-        if self.world_size > heads:
-            raise ValueError(f"MiniMax H3 has {heads} attention heads; sequence parallelism supports at most {heads} ranks")
+        model = patcher.model.diffusion_model
+        if self.world_size > model.num_heads:
+            raise ValueError(f"MiniMax H3 has {model.num_heads} attention heads; sequence parallelism supports at most "
+                             f"{model.num_heads} ranks")
         self.synced = None
-        self.group.start(self.devices, worker_spec(self.loader_spec), local_state={"model": model})
+        self._rank0.update(model=model, patch_version=None)
+        self.group.start(self.devices, self.spec, local_state=self._rank0)
+        try:
+            mine = {k: v for k, v in headless.describe(patcher).items() if k in SETUP_FIELDS}
+            theirs = {r: {k: v for k, v in m["setup"].items() if k in SETUP_FIELDS} for r, m in enumerate(self.group.setup_metas) if r}
+            headless.check_same(mine, theirs)
+        except BaseException:
+            self.group.close()
+            raise
 
     def sync(self, snapshot):
-        """Make every rank hold `snapshot` (a delta when possible) and check their acks."""
+        """Make every rank hold ``snapshot`` (a delta when possible) and check their acks.
+
+        Until every ack is in, nothing counts as synced: a failed or cancelled sync is repaired by
+        the next one, which sends the full snapshot.
+        """
+        self.last_sent = None
         if self.synced is not None and self.synced.version == snapshot.version:
             return
         update = snapshot if self.synced is None else snapshot.diff(self.synced)
+        self.synced, self.last_sent = None, update.describe()
         blob = torch.frombuffer(bytearray(update.encode()), dtype=torch.uint8)
         target = {"lineage": snapshot.lineage, "digest": snapshot.digest, "key_count": snapshot.key_count}
-        result = self.group.run(OP_PATCHES, {"snapshot": blob}, {"target": target, "apply_on_rank0": self.apply_on_rank0})
+        result = self.group.run(OP_PATCHES, {"snapshot": blob}, {"target": target})
         snapshots.require_acks(snapshot, [snapshots.SnapshotAck.from_json(m["ack"]) for m in result.metas], self.world_size)
         self.synced = snapshot
-        logging.info("MiniMax H3 sequence parallel: %d ranks hold patch snapshot %s", self.world_size, snapshot.describe())
+        logging.info("MiniMax H3 sequence parallel: %d ranks hold patch snapshot %s (sent %s)", self.world_size,
+                     snapshot.describe(), self.last_sent)
 
     def __call__(self, model, plan, video_x, audio_x, timestep, context, payload, transformer_options):
         """The runner MiniMaxH3Model._forward calls: -> full (video, audio) fp32 target rows."""
         if self.synced is None:
             raise snapshots.SnapshotNotAcked("no patch snapshot has been synced to the sequence-parallel ranks; "
-                                             "call sync() (the node does this before sampling) before running steps")
-        tensors, step = encode_step([video_x, audio_x], timestep, context, payload, transformer_options)
-        meta = {"step": step, "orig_thw": list(plan.orig_thw), "chunks": self.chunks}
+                                             "call prepare() (the node does this before sampling) before running steps")
+        options = dict(transformer_options)
+        override = options.pop("optimized_attention_override", None)
+        tensors, step = encode_step([video_x, audio_x], timestep, context, payload, options)
+        meta = {"step": step, "orig_thw": list(plan.orig_thw), "chunks": self.chunks,
+                "attention": headless.attention_name(override) if override is not None else None}
         with _cancel_on_interrupt(self.group):
             result = self.group.run(OP_FORWARD, tensors, meta)
+        self.steps_run += 1
         return result.tensors["video"], result.tensors["audio"]
 
     def close(self):
@@ -131,7 +172,7 @@ class SequenceParallel:
 
 
 class _cancel_on_interrupt:
-    """Inside ComfyUI, cancel the group's op as soon as the user interrupts (checked every 100 ms)."""
+    """Cancel the group's op as soon as the user interrupts (checked every 100 ms)."""
 
     def __init__(self, group):
         self.group = group
@@ -140,14 +181,9 @@ class _cancel_on_interrupt:
         self.thread = None
 
     def __enter__(self):
-        try:
-            import comfy.model_management as mm
-        except ModuleNotFoundError:
-            return self
-
         def watch():
             while not self.done.wait(0.1):
-                if mm.processing_interrupted():
+                if comfy.model_management.processing_interrupted():
                     self.interrupted.set()
                     self.group.cancel()
                     return
@@ -158,9 +194,7 @@ class _cancel_on_interrupt:
 
     def __exit__(self, exc_type, exc, tb):
         self.done.set()
-        if self.thread is not None:
-            self.thread.join()
+        self.thread.join()
         if isinstance(exc, ParallelCancelled) and self.interrupted.is_set():
-            import comfy.model_management as mm
-            raise mm.InterruptProcessingException() from exc
+            raise comfy.model_management.InterruptProcessingException() from exc
         return False

@@ -51,8 +51,6 @@ def check_replicable_options(transformer_options):
     replaced = sorted(str(k) for k in transformer_options.get("patches_replace", {}).get("dit", {}))
     if replaced:
         problems.append(f"block replacement patches {replaced} (patches_replace['dit'])")
-    if "optimized_attention_override" in transformer_options:
-        problems.append("an attention override (optimized_attention_override)")
     if problems:
         raise ValueError("MiniMax H3 sequence parallelism cannot run " + " and ".join(problems) +
                          ": they would run on rank 0's rows only. Remove them or run on one GPU.")
