@@ -72,6 +72,7 @@ def init_groups(backend, store, rank, world_size, device, timeouts):
     groups by ``timeouts.collective`` (a backstop: ParallelGroup's own deadlines come first).
     """
     rendezvous = datetime.timedelta(seconds=timeouts["rendezvous"])
+    _restore_group_counter()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=rendezvous,
                             device_id=device if device.type == "cuda" else None, pg_options=data_group_options(backend, rendezvous))
     collective = datetime.timedelta(seconds=timeouts["collective"])
@@ -79,6 +80,22 @@ def init_groups(backend, store, rank, world_size, device, timeouts):
     if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
         dist.distributed_c10d._set_pg_timeout(collective, None)
     return control
+
+
+def _restore_group_counter():
+    """Put torch's group counter back to 0 when no process group exists, as destroy_process_group() does.
+
+    torch names the default group (and so prefixes every rendezvous key) after a process-wide counter
+    that ``init_process_group`` advances first and only ``destroy_process_group`` resets. When the
+    rendezvous fails (a peer died, hung or wrote garbage), no group exists to destroy and the counter
+    stays advanced: this process would then wait for keys "1/..." while fresh workers publish "0/...",
+    and every later start would time out. Before any init no group exists (``claim`` checked), so 0 is
+    the value torch itself would have.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and getattr(world, "group_count", 0):
+        logger.info("resetting torch.distributed's group counter (%d) left by a failed rendezvous", world.group_count)
+        world.group_count = 0
 
 
 def data_group_options(backend, timeout):

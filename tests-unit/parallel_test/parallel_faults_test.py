@@ -103,6 +103,20 @@ def test_worker_killed_during_startup(tmp_path):
     g.close()
 
 
+def test_worker_killed_during_rendezvous_then_restart_works(tmp_path):
+    """Rank 0 is inside init_process_group when its peer dies; that start fails (after Timeouts.rendezvous),
+    and the next start() in this process must rendezvous with fresh workers all the same."""
+    g = ParallelGroup("rendezvous-kill", log_dir=str(tmp_path), timeouts=Timeouts(rendezvous=5.0))
+    with pytest.raises(ParallelGroupError) as info:
+        g.start(["cpu", "cpu"], {"imports": [OPS_MODULE, "parallel_die_in_rendezvous"]},
+                env={"PARALLEL_TEST_DIE_IN_RENDEZVOUS": "1"})
+    assert (info.value.rank, info.value.exitcode) == (1, -9)
+    assert "during start-up (after 'connected')" in str(info.value)
+    assert g.state == "broken"
+    assert_restart_works(g)
+    g.close()
+
+
 def test_startup_failure_on_a_worker_shows_its_traceback(tmp_path):
     g = ParallelGroup("import-fail", log_dir=str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="no_such_module_for_parallel_tests"):
