@@ -28,7 +28,10 @@ def comfyui_available():
 
 
 if comfyui_available():
+    import absent_media_packages
     import torch
+    # comfy.model_base imports torchvision / torchaudio at module level; stand-ins where they are absent
+    absent_media_packages.install()
     if not torch.cuda.is_available():
         # before anything imports comfy.model_management, which asserts CUDA unless told otherwise
         from comfy.cli_args import args as _comfy_args

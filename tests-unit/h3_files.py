@@ -27,7 +27,7 @@ from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, random_state_dict
 FORMATS = ("plain", "scaled_fp8", "comfy_quant")
 FP8 = torch.float8_e4m3fn
 
-__all__ = ["FORMATS", "TINY_CONFIG", "quantized_layers", "read_h3_file", "write_h3_file"]
+__all__ = ["FORMATS", "TINY_CONFIG", "lora_state_dict", "quantized_layers", "read_h3_file", "write_h3_file"]
 
 
 def quantized_layers(config):
@@ -78,3 +78,17 @@ def read_h3_file(path, prefix="model.diffusion_model."):
         scale = raw.get(layer + ".scale_weight", raw.get(layer + ".weight_scale")) if k.endswith(".weight") else None
         out[k] = t.float() if scale is None else t.float() * scale.float()
     return out
+
+
+def lora_state_dict(config, rank=4, seed=5, scale=0.1):
+    """A LoRA file's state dict in the kohya naming ComfyUI maps onto H3's linears (qkv, out, fc1, fc2
+    of every DiT and token-refiner block): up, down and alpha per weight."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, w in MiniMaxH3Model(**config, device="meta").state_dict().items():
+        if name.endswith(("qkv_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight")):
+            stem = "lora_unet_" + name[:-len(".weight")].replace(".", "_")
+            sd[stem + ".lora_up.weight"] = torch.randn(w.shape[0], rank, generator=g) * scale
+            sd[stem + ".lora_down.weight"] = torch.randn(rank, w.shape[1], generator=g) * scale
+            sd[stem + ".alpha"] = torch.tensor(float(rank))
+    return sd

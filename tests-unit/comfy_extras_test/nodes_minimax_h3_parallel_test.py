@@ -17,28 +17,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model
+from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
-from h3_files import write_h3_file
+from h3_files import lora_state_dict, write_h3_file
 
 pytestmark = pytest.mark.comfyui
 TOL = 1e-5
 
 
-def _lora(rank=4, seed=5):
-    """A LoRA file's state dict in the kohya naming ComfyUI maps onto H3's block linears."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, w in MiniMaxH3Model(**TINY_CONFIG, device="meta").state_dict().items():
-        if name.endswith(("qkv_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight")):
-            stem = "lora_unet_" + name[:-len(".weight")].replace(".", "_")
-            sd[stem + ".lora_up.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.1
-            sd[stem + ".lora_down.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.1
-            sd[stem + ".alpha"] = torch.tensor(float(rank))
-    return sd
-
-
-LORA_KEYS = len(_lora()) // 3  # up, down, alpha per weight
+LORA_KEYS = len(lora_state_dict(TINY_CONFIG)) // 3  # up, down, alpha per weight
 
 
 class Workflow:
@@ -101,7 +88,7 @@ def workflow(comfyui_patched, tmp_path, monkeypatch):
     write_h3_file(str(tmp_path / "diffusion_models" / "h3_fp32.safetensors"), TINY_CONFIG, seed=2)
     write_h3_file(str(tmp_path / "diffusion_models" / "h3_bf16.safetensors"), TINY_CONFIG, seed=2, dtype=torch.bfloat16)
     write_h3_file(str(tmp_path / "diffusion_models" / "h3_scaled_fp8.safetensors"), TINY_CONFIG, seed=2, fmt="scaled_fp8")
-    save_file(_lora(), str(tmp_path / "loras" / "lora.safetensors"))
+    save_file(lora_state_dict(TINY_CONFIG), str(tmp_path / "loras" / "lora.safetensors"))
     return Workflow(tmp_path)
 
 
@@ -229,3 +216,42 @@ def test_ksampler_with_cfg_and_a_lora_downstream_equals_the_workflow_without_the
     native, sharded = runs
     assert _rel(sharded, native) <= TOL
     assert float(native[0].abs().max()) > 0
+
+
+def test_interrupt_during_a_sharded_step_stops_sampling_and_keeps_the_workers(workflow):
+    """ComfyUI's interrupt arrives while rank 0 computes its share of step 2 (set from inside the op, so
+    no timing is guessed): sampling stops with InterruptProcessingException after that step, the same
+    workers stay ready, and the next run equals the workflow without the node."""
+    import comfy.model_management
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+    w = workflow
+    latent = EmptyMiniMaxH3LatentAV.execute(32, 32, 5).result[0]
+    g = torch.Generator().manual_seed(3)
+    positive = [[torch.randn(1, 7, TINY_CONFIG["text_dim"], generator=g), {}]]
+    negative = [[torch.randn(1, 5, TINY_CONFIG["text_dim"], generator=g), {}]]
+    base = w.unet("h3_fp32.safetensors")
+    node = w.parallel(base, "cpu,cpu")
+    sp = _runner(node)
+    run = sp.group.run
+
+    def interrupted_on_the_second_step(op, tensors, meta):
+        if op.endswith("forward") and sp.steps_run == 1:
+            comfy.model_management.interrupt_current_processing()
+        return run(op, tensors, meta)
+
+    try:
+        sp.group.run = interrupted_on_the_second_step
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            w.nodes.common_ksampler(node, 7, 3, 2.5, "euler", "simple", positive, negative, latent)
+        del sp.group.run
+        assert sp.steps_run == 2 and sp.group.state == "ready"
+        pids = sp.group.worker_pids()
+        assert not comfy.model_management.processing_interrupted()
+        again = w.nodes.common_ksampler(node, 7, 3, 2.5, "euler", "simple", positive, negative, latent)[0]["samples"]
+        native = w.nodes.common_ksampler(base, 7, 3, 2.5, "euler", "simple", positive, negative, latent)[0]["samples"]
+        assert sp.group.worker_pids() == pids and sp.steps_run == 2 + 6
+    finally:
+        comfy.model_management.interrupt_current_processing(False)
+        sp.close()
+        comfy.model_management.unload_all_models()
+    assert _rel(again.unbind() if again.is_nested else [again], native.unbind() if native.is_nested else [native]) <= TOL

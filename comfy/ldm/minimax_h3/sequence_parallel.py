@@ -7,8 +7,8 @@ are broadcast once; every rank rebuilds the ForwardPlan and proves plan, patch v
 set-up equal in a preflight before its shard runs; rank 0 receives the full target rows.
 """
 
+import contextlib
 import logging
-import threading
 import types
 
 import torch
@@ -16,8 +16,9 @@ import torch
 import comfy.ldm.modules.attention
 import comfy.model_management
 import comfy.model_patcher
+import comfy.ops
 from comfy import model_patcher_snapshot as snapshots
-from comfy.parallel import ParallelCancelled, ParallelGroup, headless, register_op
+from comfy.parallel import ParallelGroup, headless, register_op
 
 from .step_io import decode_step, encode_step
 from .ulysses import DEFAULT_CHUNKS, sharded_forward
@@ -161,9 +162,9 @@ class SequenceParallel:
         tensors, step = encode_step([video_x, audio_x], timestep, context, payload, options)
         meta = {"step": step, "orig_thw": list(plan.orig_thw), "chunks": self.chunks,
                 "attention": headless.attention_name(override) if override is not None else None}
-        with _cancel_on_interrupt(self.group):
+        with _interrupt_after_step():
             result = self.group.run(OP_FORWARD, tensors, meta)
-        self.steps_run += 1
+            self.steps_run += 1
         return result.tensors["video"], result.tensors["audio"]
 
     def close(self):
@@ -171,30 +172,22 @@ class SequenceParallel:
         self.synced = None
 
 
-class _cancel_on_interrupt:
-    """Cancel the group's op as soon as the user interrupts (checked every 100 ms)."""
+@contextlib.contextmanager
+def _interrupt_after_step():
+    """Rank 0's share of a step runs to its end, then a pending interrupt is raised where ComfyUI expects it.
 
-    def __init__(self, group):
-        self.group = group
-        self.done = threading.Event()
-        self.interrupted = threading.Event()
-        self.thread = None
+    ComfyUI checks its interrupt flag in every op (comfy.ops.run_every_op); raised inside rank 0's
+    share it would leave the other ranks waiting in a collective rank 0 never joins, and only a
+    restart of every worker recovers from that. Deferred to the end of the step, the group stays ready.
+    """
+    check = comfy.ops.run_every_op
+    comfy.ops.run_every_op = _no_check
+    try:
+        yield
+    finally:
+        comfy.ops.run_every_op = check
+    comfy.model_management.throw_exception_if_processing_interrupted()
 
-    def __enter__(self):
-        def watch():
-            while not self.done.wait(0.1):
-                if comfy.model_management.processing_interrupted():
-                    self.interrupted.set()
-                    self.group.cancel()
-                    return
 
-        self.thread = threading.Thread(target=watch, name="h3-sp-interrupt", daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self.done.set()
-        self.thread.join()
-        if isinstance(exc, ParallelCancelled) and self.interrupted.is_set():
-            raise comfy.model_management.InterruptProcessingException() from exc
-        return False
+def _no_check():
+    pass
