@@ -94,15 +94,17 @@ class ParallelGroupError(ParallelError):
     """A rank failed; the group is broken.
 
     ``rank``: the rank at fault (0 = this process), ``exitcode``: its exit code (None while it runs
-    or for rank 0), ``log_tail``: the end of that rank's log, ``log_path``: the whole log.
+    or for rank 0), ``log_tail``: the end of that rank's log, ``log_path``: the whole log,
+    ``log_dir``: the folder of every worker's log (``close()`` keeps it after a fault).
     """
 
-    def __init__(self, reason, rank=None, exitcode=None, log_tail="", log_path=None, hint=RESTART_HINT):
+    def __init__(self, reason, rank=None, exitcode=None, log_tail="", log_path=None, hint=RESTART_HINT, log_dir=None):
         self.reason = reason
         self.rank = rank
         self.exitcode = exitcode
         self.log_tail = log_tail or ""
         self.log_path = log_path
+        self.log_dir = log_dir
         self.hint = hint
         super().__init__(self._format())
 
@@ -110,11 +112,20 @@ class ParallelGroupError(ParallelError):
         text = self.reason
         if self.hint:
             text += f"\nWhat to do: {self.hint}."
+        if self.log_dir:
+            text += f"\nWorker logs (kept after close()): {self.log_dir}"
         if self.log_path:
             text += f"\nLog of rank {self.rank}: {self.log_path}"
         if self.log_tail:
             text += f"\n--- last lines of rank {self.rank}'s log ---\n{self.log_tail.rstrip()}\n---"
         return text
+
+    def with_log_dir(self, log_dir):
+        """This error, naming ``log_dir`` as its workers' log folder unless it names one already."""
+        if self.log_dir is None and log_dir is not None:
+            self.log_dir = log_dir
+            self.args = (self._format(),)
+        return self
 
     def again(self):
         """A fresh error with the same facts, for re-raising on a later call (keeps tracebacks short)."""

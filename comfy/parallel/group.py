@@ -42,7 +42,9 @@ import importlib
 import logging
 import os
 import secrets
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import weakref
@@ -69,14 +71,18 @@ class ParallelGroup:
     """Owns the workers, process groups and rendezvous store of one model; see the module docstring.
 
     ``log_dir``: where per-rank logs go (``rank{r}-gen{g}.log``; g grows with every start, so a
-    respawn never overwrites); a temporary directory when None. Logs are kept after ``close()``.
+    respawn never overwrites); never deleted. When None, each start logs into a folder of its own
+    under ComfyUI's temp directory (the system's outside ComfyUI), which ``close()`` removes unless
+    the group broke: then it stays, and the error names it.
     """
 
     def __init__(self, name="parallel", log_dir=None, timeouts=None, limits=None):
         self.name = name
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or DEFAULT_LIMITS
+        self._log_root = log_dir
         self._log_dir = log_dir
+        self._own_log_dir = None
         self._cond = threading.Condition(threading.RLock())
         self._send_lock = threading.Lock()
         self._state = "idle"
@@ -175,7 +181,8 @@ class ParallelGroup:
                 if self._state != "closing":
                     self._state = "broken"
                     if not isinstance(self._error, ParallelGroupError):
-                        self._error = ParallelGroupError(f"start-up was interrupted: {exc!r}", rank=0)
+                        self._error = ParallelGroupError(f"start-up was interrupted: {exc!r}", rank=0,
+                                                         log_dir=self._log_dir)
                 self._cond.notify_all()
             if err is exc:
                 raise
@@ -187,8 +194,8 @@ class ParallelGroup:
         t0 = time.monotonic()
         deadline = t0 + self.timeouts.startup
         token = secrets.token_bytes(32)
-        self._store = pg.loopback_store(self.timeouts.startup)
         self._generation = self._next_generation()
+        self._store = pg.loopback_store(self.timeouts.startup)
         self._monitor = Monitor(self)
         world = len(self._devices)
         for r in range(1, world):
@@ -281,6 +288,7 @@ class ParallelGroup:
             if not self._idle.wait(self.timeouts.rendezvous + self.timeouts.close):
                 logger.error("group %r: the thread in %s() did not return; tearing down under it", self.name, state)
         self._teardown(graceful=state == "ready")
+        self._release_log_dir()
         with self._cond:
             self._state = "closed"
             self._cond.notify_all()
@@ -301,7 +309,7 @@ class ParallelGroup:
             if self._state in ("closing", "closed"):
                 return self._error or err
             if self._error is None:
-                self._error = err
+                self._error = err.with_log_dir(self._log_dir)
                 logger.error("parallel group %r broken: %s", self.name, err.reason)
             if self._state in ACTIVE_STATES:
                 self._state = "broken"
@@ -382,9 +390,10 @@ class ParallelGroup:
         self._env_set = []
 
     def _next_generation(self):
-        if self._log_dir is None:
-            import tempfile
-            self._log_dir = tempfile.mkdtemp(prefix=f"comfy-parallel-{self.name}-")
+        if self._log_root is None and self._own_log_dir is None:
+            root = _temp_root()
+            os.makedirs(root, exist_ok=True)
+            self._own_log_dir = self._log_dir = tempfile.mkdtemp(prefix=f"comfy-parallel-{self.name}-", dir=root)
         os.makedirs(self._log_dir, exist_ok=True)
         gens = [0]
         for f in os.listdir(self._log_dir):
@@ -392,6 +401,25 @@ class ParallelGroup:
             if head.startswith("rank") and tail.endswith(".log") and tail[:-4].isdigit():
                 gens.append(int(tail[:-4]))
         return max(max(gens), self._generation) + 1
+
+    def _release_log_dir(self):
+        """After close(): remove the folder this group made for its logs, unless a fault needs them
+        (its error names the folder); either way the next start makes a new one."""
+        own, self._own_log_dir = self._own_log_dir, None
+        if own is None or self._error is not None:
+            return
+        shutil.rmtree(own, ignore_errors=True)
+        if self._log_dir == own:
+            self._log_dir = None
+
+
+def _temp_root():
+    """ComfyUI's temp directory when ComfyUI is importable (it empties it at start-up), else the system's."""
+    try:
+        import folder_paths
+    except ImportError:
+        return tempfile.gettempdir()
+    return folder_paths.get_temp_directory()
 
 
 def _wait_all(workers, timeout):

@@ -1,14 +1,17 @@
 """ParallelGroup lifecycle with real worker processes on CPU (gloo)."""
 
 import os
+import signal
+import sys
+import tempfile
 import threading
 
 import parallel_ops_for_tests as test_ops
 import pytest
 import torch
-from parallel_helpers import child_pids, listening_sockets, spec
+from parallel_helpers import child_pids, listening_sockets, spec, wait_until
 
-from comfy.parallel import ParallelGroup, ParallelStateError, PreflightMismatch, register_op, unregister_op
+from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelStateError, PreflightMismatch, register_op, unregister_op
 
 
 def make_inputs():
@@ -104,6 +107,49 @@ def test_restart_in_same_process_keeps_every_log(tmp_path):
     first_log = (tmp_path / "rank1-gen1.log").read_text()
     assert "ready: rank 1 of 2" in first_log and "shutdown requested by rank 0" in first_log
     assert "ready: rank 1 of 3" in (tmp_path / "rank1-gen2.log").read_text()
+
+
+def temp_root(tmp_path, monkeypatch, where):
+    """Point the temp directory the group uses (ComfyUI's, else the system's) into ``tmp_path``."""
+    root = tmp_path / "temp"
+    if where == "comfyui":
+        folder_paths = pytest.importorskip("folder_paths", reason="ComfyUI is not importable (set COMFYUI_DIR)")
+        monkeypatch.setattr(folder_paths, "temp_directory", str(root))
+    else:
+        monkeypatch.setitem(sys.modules, "folder_paths", None)
+        monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+@pytest.mark.parametrize("where", ["comfyui", "system"])
+def test_own_log_folder_is_removed_on_close(tmp_path, monkeypatch, where):
+    root = temp_root(tmp_path, monkeypatch, where)
+    with ParallelGroup("tidy") as g:
+        for world in (2, 3):
+            g.start(["cpu"] * world, spec())
+            assert os.path.dirname(g.log_dir) == str(root)
+            assert os.path.basename(g.log_dir).startswith("comfy-parallel-tidy-")
+            assert sorted(os.listdir(g.log_dir)) == sorted(os.path.basename(p) for p in g.log_paths().values())
+            g.close()
+            assert os.listdir(root) == [], "a clean close() leaves no logs behind"
+
+
+def test_a_fault_keeps_the_log_folder_and_names_it(tmp_path, monkeypatch):
+    root = temp_root(tmp_path, monkeypatch, "system")
+    with ParallelGroup("kept") as g:
+        g.start(["cpu", "cpu"], spec())
+        kept = g.log_dir
+        os.kill(g.worker_pids()[1], signal.SIGKILL)
+        assert wait_until(lambda: g.state == "broken", 10.0) is not None
+        with pytest.raises(ParallelGroupError) as info:
+            g.run("test.echo")
+        assert f"Worker logs (kept after close()): {kept}" in str(info.value)
+        g.close()
+        assert os.listdir(kept) == ["rank1-gen1.log"]
+        g.start(["cpu", "cpu"], spec())
+        assert g.log_dir != kept, "a restart logs into a folder of its own"
+        g.close()
+        assert os.listdir(root) == [os.path.basename(kept)]
 
 
 def test_loopback_only_and_token_not_in_argv_or_env(tmp_path):
