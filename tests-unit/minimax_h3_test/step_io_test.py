@@ -36,8 +36,23 @@ def test_unsendable_payload_and_options_are_refused():
         encode_step(x, t, c, dict(p, extra=object()), {})
     with pytest.raises(ValueError, match=r"block replacement patches \[\"\('double_block', 3\)\"\]"):
         encode_step(x, t, c, p, {"patches_replace": {"dit": {("double_block", 3): None}}})
-    with pytest.raises(ValueError, match="attention override"):
-        encode_step(x, t, c, p, {"optimized_attention_override": print})
     tensors, meta = encode_step(x, t, c, p, {})
     with pytest.raises(ValueError, match="version 99"):
         decode_step(tensors, dict(meta, version=99))
+
+
+@pytest.mark.comfyui
+def test_attention_override_travels_by_registered_name_or_is_refused(comfyui_models):
+    """The override ModelAttentionBackend installs maps back to its registered backend; anything else is refused."""
+    import types
+
+    import comfy.ldm.modules.attention as attention
+    import comfy.model_patcher
+    from comfy.parallel import headless
+    for name in ("pytorch", "split", "sub_quad"):
+        holder = types.SimpleNamespace(model_options={"transformer_options": {}})
+        comfy.model_patcher.ModelPatcher.set_model_optimized_attention(holder, attention.get_attention_function(name))
+        assert headless.attention_name(holder.model_options["transformer_options"]["optimized_attention_override"]) == name
+    with pytest.raises(ValueError, match="not one of ComfyUI's registered attention functions"):
+        headless.attention_name(lambda func, *args, **kwargs: func(*args, **kwargs))
+

@@ -74,7 +74,7 @@ def test_worker_spec_shape(spec, message):
 
 def test_worker_spec_normalized():
     assert validate_worker_spec({"imports": ["a.b"], "setup": "a.b:build"}) == {
-        "imports": ["a.b"], "setup": "a.b:build", "setup_args": {}}
+        "imports": ["a.b"], "setup": "a.b:build", "setup_args": {}, "comfyui": None}
 
 
 def test_start_rejects_bad_spec_before_spawning(tmp_path):
