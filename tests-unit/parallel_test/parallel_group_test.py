@@ -110,12 +110,14 @@ def test_restart_in_same_process_keeps_every_log(tmp_path):
 
 
 def temp_root(tmp_path, monkeypatch, where):
-    """Point the temp directory the group uses (ComfyUI's, else the system's) into ``tmp_path``."""
+    """Point the temp directory the group uses (ComfyUI's, which may not exist yet, else the system's)
+    into ``tmp_path``."""
     root = tmp_path / "temp"
     if where == "comfyui":
         folder_paths = pytest.importorskip("folder_paths", reason="ComfyUI is not importable (set COMFYUI_DIR)")
         monkeypatch.setattr(folder_paths, "temp_directory", str(root))
     else:
+        root.mkdir()
         monkeypatch.setitem(sys.modules, "folder_paths", None)
         monkeypatch.setattr(tempfile, "tempdir", str(root))
     return root
