@@ -565,7 +565,9 @@ def t_snapshot(results):
     if delta:
         ck = f", {delta['changed_keys']} keys" if "changed_keys" in delta else ""
         rows += [[f"delta after a strength change in one block: diff{ck}", f_s(delta.get("diff_s")), "—"],
-                 ["delta after a strength change in one block: encode", f_s(delta.get("encode_s")), f_bytes_exact(delta.get("bytes"))]]
+                 ["delta after a strength change in one block: encode", f_s(delta.get("encode_s")),
+                  f_bytes_exact(delta.get("bytes")) + (f", tensors {f_int(delta['tensor_bytes'])} B"
+                                                       if "tensor_bytes" in delta else "")]]
     if lora:
         rows.append([f"LoRA payload ({lora.get('keys', '?')} keys, rank {lora.get('rank', '?')}, {lora.get('factor_dtype', '?')}, "
                      f"{lora.get('tensors', '?')} tensors)", "—", f_bytes_exact(lora.get("tensor_bytes"))])
@@ -580,7 +582,11 @@ def t_snapshot(results):
             pairs.append((m.group(1), key, ext))
     if pairs:
         n_ext = next((re.search(r"_(\d+)$", e).group(1) for _, _, e in pairs if e), "?")
-        labels = {"apply": "snapshot apply (incl. backup copies)", "clear": "snapshot clear (restore backups)",
+        labels = {"to_patcher": "snapshot.to_patcher(base): clone of the worker's base ModelPatcher + add_patches",
+                  "worker_patch_model": "worker: ComfyUI patch_model() of that clone (incl. backup copies)",
+                  "worker_strength_change": "worker: strength change (unpatch_model, delta.apply_to, to_patcher, patch_model)",
+                  "worker_unpatch_model": "worker: ComfyUI unpatch_model() (restore backups)",
+                  "apply": "snapshot apply (incl. backup copies)", "clear": "snapshot clear (restore backups)",
                   "reapply_other_strength": "re-apply at another strength (from backups)",
                   "comfyui_patch_model": "ComfyUI ModelPatcher.patch_model() (same patches, for scale)",
                   "comfyui_unpatch_model": "ComfyUI ModelPatcher.unpatch_model() (for scale)"}
