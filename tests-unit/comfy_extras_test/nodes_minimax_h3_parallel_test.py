@@ -58,6 +58,16 @@ class Workflow:
     def attention(self, model, name):
         return self.advanced.ModelAttentionBackend().patch(model, name)[0]
 
+    def sample(self, model, seed=7, steps=3, cfg=2.5):
+        """KSampler (euler, cfg > 1) on a small AV latent with fixed random text embeds -> [video, audio] latents."""
+        from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+        latent = EmptyMiniMaxH3LatentAV.execute(32, 32, 5).result[0]
+        g = torch.Generator().manual_seed(3)
+        positive = [[torch.randn(1, 7, TINY_CONFIG["text_dim"], generator=g), {}]]
+        negative = [[torch.randn(1, 5, TINY_CONFIG["text_dim"], generator=g), {}]]
+        out = self.nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", positive, negative, latent)[0]["samples"]
+        return out.unbind() if out.is_nested else [out]
+
     @staticmethod
     def step(patcher, seed=0):
         import comfy.model_management
@@ -195,19 +205,13 @@ def test_workers_that_would_run_the_model_differently_are_refused_before_any_ste
 
 def test_ksampler_with_cfg_and_a_lora_downstream_equals_the_workflow_without_the_node(workflow):
     import comfy.model_management
-    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
     w = workflow
-    latent = EmptyMiniMaxH3LatentAV.execute(32, 32, 5).result[0]
-    g = torch.Generator().manual_seed(3)
-    positive = [[torch.randn(1, 7, TINY_CONFIG["text_dim"], generator=g), {}]]
-    negative = [[torch.randn(1, 5, TINY_CONFIG["text_dim"], generator=g), {}]]
     base = w.unet("h3_fp32.safetensors")
     node = w.parallel(base, "cpu,cpu")
     runs = []
     try:
         for model in (w.lora(base, 0.8), w.lora(node, 0.8)):
-            out = w.nodes.common_ksampler(model, 7, 3, 2.5, "euler", "simple", positive, negative, latent)[0]["samples"]
-            runs.append(out.unbind() if out.is_nested else [out])
+            runs.append(w.sample(model))
         assert _runner(node).group.state == "ready"
         assert _runner(node).steps_run == 2 * 3  # cond and uncond of every step ran sharded
     finally:
@@ -223,12 +227,7 @@ def test_interrupt_during_a_sharded_step_stops_sampling_and_keeps_the_workers(wo
     no timing is guessed): sampling stops with InterruptProcessingException after that step, the same
     workers stay ready, and the next run equals the workflow without the node."""
     import comfy.model_management
-    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
     w = workflow
-    latent = EmptyMiniMaxH3LatentAV.execute(32, 32, 5).result[0]
-    g = torch.Generator().manual_seed(3)
-    positive = [[torch.randn(1, 7, TINY_CONFIG["text_dim"], generator=g), {}]]
-    negative = [[torch.randn(1, 5, TINY_CONFIG["text_dim"], generator=g), {}]]
     base = w.unet("h3_fp32.safetensors")
     node = w.parallel(base, "cpu,cpu")
     sp = _runner(node)
@@ -242,16 +241,15 @@ def test_interrupt_during_a_sharded_step_stops_sampling_and_keeps_the_workers(wo
     try:
         sp.group.run = interrupted_on_the_second_step
         with pytest.raises(comfy.model_management.InterruptProcessingException):
-            w.nodes.common_ksampler(node, 7, 3, 2.5, "euler", "simple", positive, negative, latent)
+            w.sample(node)
         del sp.group.run
         assert sp.steps_run == 2 and sp.group.state == "ready"
         pids = sp.group.worker_pids()
         assert not comfy.model_management.processing_interrupted()
-        again = w.nodes.common_ksampler(node, 7, 3, 2.5, "euler", "simple", positive, negative, latent)[0]["samples"]
-        native = w.nodes.common_ksampler(base, 7, 3, 2.5, "euler", "simple", positive, negative, latent)[0]["samples"]
+        again, native = w.sample(node), w.sample(base)
         assert sp.group.worker_pids() == pids and sp.steps_run == 2 + 6
     finally:
         comfy.model_management.interrupt_current_processing(False)
         sp.close()
         comfy.model_management.unload_all_models()
-    assert _rel(again.unbind() if again.is_nested else [again], native.unbind() if native.is_nested else [native]) <= TOL
+    assert _rel(again, native) <= TOL
