@@ -6,6 +6,7 @@ the very loader call rank 0's ModelPatcher came from (``load``). ``describe`` is
 must agree on afterwards (dtypes, patcher kind, attention backend, code).
 """
 
+import functools
 import hashlib
 import importlib
 import json
@@ -176,14 +177,19 @@ def describe(patcher):
     """What every rank must agree on once its model is built: dtypes, patcher kind, attention backend, code."""
     import comfy.ldm.modules.attention as attention
     model = patcher.model
-    modules = CODE_MODULES + (type(model.diffusion_model).__module__,)
+    return {"model_dtype": str(patcher.model_dtype()), "manual_cast_dtype": str(model.manual_cast_dtype),
+            "patcher": type(patcher).__name__, "attention": attention.optimized_attention.__name__,
+            "torch": torch.__version__, "code_sha256": _code_sha256(CODE_MODULES + (type(model.diffusion_model).__module__,))}
+
+
+@functools.cache
+def _code_sha256(modules):
+    # imported code does not change within a process: hash its source once
     code = hashlib.sha256()
     for name in modules:
         with open(sys.modules[name].__file__, "rb") as f:
             code.update(f.read())
-    return {"model_dtype": str(patcher.model_dtype()), "manual_cast_dtype": str(model.manual_cast_dtype),
-            "patcher": type(patcher).__name__, "attention": attention.optimized_attention.__name__,
-            "torch": torch.__version__, "code_sha256": code.hexdigest()}
+    return code.hexdigest()
 
 
 def check_same(rank0, others):
