@@ -126,6 +126,7 @@ def worker_env(device, device_kind, extra=None):
     # Workers must import what rank 0 imports (e.g. the module that registers the ops).
     paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["PYTHONSAFEPATH"] = "1"  # exactly that path: `python -m` would put the working directory first
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     lo = loopback_ifname()

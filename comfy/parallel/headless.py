@@ -174,22 +174,55 @@ def _check_file(expected):
 
 
 def describe(patcher):
-    """What every rank must agree on once its model is built: dtypes, patcher kind, attention backend, code."""
+    """What every rank must agree on once its model is built: dtypes, patcher kind, attention backend, code
+    and base weights."""
     import comfy.ldm.modules.attention as attention
     model = patcher.model
+    folders = (os.path.dirname(sys.modules[type(model.diffusion_model).__module__].__file__), os.path.dirname(__file__))
     return {"model_dtype": str(patcher.model_dtype()), "manual_cast_dtype": str(model.manual_cast_dtype),
             "patcher": type(patcher).__name__, "attention": attention.optimized_attention.__name__,
-            "torch": torch.__version__, "code_sha256": _code_sha256(CODE_MODULES + (type(model.diffusion_model).__module__,))}
+            "torch": torch.__version__, "code_sha256": _code_sha256(CODE_MODULES, folders),
+            "weights_sha256": weights_fingerprint(patcher)}
 
 
 @functools.cache
-def _code_sha256(modules):
-    # imported code does not change within a process: hash its source once
+def _code_sha256(modules, folders):
+    # imported code does not change within a process: hash its source once. Every .py file in the model's
+    # folder and in comfy/parallel counts, imported yet or not, so both sides hash the same file list
+    files = [sys.modules[name].__file__ for name in modules]
+    for folder in folders:
+        files += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".py")]
     code = hashlib.sha256()
-    for name in modules:
-        with open(sys.modules[name].__file__, "rb") as f:
-            code.update(f.read())
+    for path in files:
+        with open(path, "rb") as f:
+            code.update(os.path.basename(path).encode() + b"\0" + f.read())
     return code.hexdigest()
+
+
+def weights_fingerprint(patcher, samples=64):
+    """sha256 over an evenly strided sample of every base weight of the diffusion model.
+
+    Weights that ComfyUI patched in place are read from the patcher's backups (shared by its clones), so
+    rank 0 with a LoRA applied and a freshly loaded worker agree exactly when their base weights do.
+    Quantized tensors are sampled through their inner tensors (``__tensor_flatten__``).
+    """
+    code = hashlib.sha256()
+    for key, value in sorted(patcher.model.diffusion_model.state_dict(keep_vars=True).items()):
+        backup = patcher.backup.get("diffusion_model." + key)
+        tensor = (backup.weight if backup is not None else value).detach()
+        code.update(f"{key}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
+        for inner in _plain_tensors(tensor):
+            flat = inner.reshape(-1)
+            sample = flat[::max(1, flat.numel() // samples)][:samples].to("cpu").contiguous()
+            code.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return code.hexdigest()
+
+
+def _plain_tensors(tensor):
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [t for name in names for t in _plain_tensors(getattr(tensor, name))]
 
 
 def check_same(rank0, others):
@@ -198,8 +231,10 @@ def check_same(rank0, others):
         diff = {k: (rank0.get(k), d.get(k)) for k in sorted(set(rank0) | set(d)) if rank0.get(k) != d.get(k)}
         if diff:
             lines = "; ".join(f"{k}: rank 0 {a!r}, rank {rank} {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"rank {rank} does not run the model as rank 0 does ({lines}). All ranks need the same "
-                             "kind of device, ComfyUI code and start-up flags")
+            fix = ("the checkpoint file changed since rank 0 loaded it: load the model again in ComfyUI"
+                   if "weights_sha256" in diff else
+                   "all ranks need the same kind of device, ComfyUI code and start-up flags")
+            raise ValueError(f"rank {rank} does not run the model as rank 0 does ({lines}); {fix}")
 
 
 def digest(obj):

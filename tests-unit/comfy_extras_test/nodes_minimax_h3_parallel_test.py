@@ -253,3 +253,52 @@ def test_interrupt_during_a_sharded_step_stops_sampling_and_keeps_the_workers(wo
         sp.close()
         comfy.model_management.unload_all_models()
     assert _rel(again, native) <= TOL
+
+
+def test_a_checkpoint_replaced_on_disk_after_rank0_loaded_it_is_refused_before_any_step(workflow):
+    """Same file name, same shapes (so the same safetensors header), other weights: the workers would load
+    the new file, rank 0 holds the old one. The base-weights fingerprint refuses before any step."""
+    import comfy.model_management
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    path = str(w.root / "diffusion_models" / "h3_fp32.safetensors")
+    write_h3_file(path + ".new", TINY_CONFIG, seed=5)
+    os.replace(path + ".new", path)
+    node = w.parallel(base, "cpu,cpu")
+    sp = _runner(node)
+    try:
+        with pytest.raises(ValueError, match="rank 1 does not run the model as rank 0 does \\(weights_sha256: .*load the model again"):
+            w.step(node)
+        assert sp.group.state == "closed" and sp.group.worker_pids() == {}
+    finally:
+        sp.close()
+        comfy.model_management.unload_all_models()
+
+
+def test_workers_importing_other_model_code_are_refused_before_any_step(workflow, tmp_path, monkeypatch):
+    """A worker whose sys.path finds another copy of the H3 package first (here: one changed module that
+    the model's own module does not contain) is refused, naming the code."""
+    import shutil
+    import comfy.ldm.minimax_h3
+    import comfy.model_management
+    from conftest import REEXPORT_DIR
+    package = os.path.dirname(comfy.ldm.minimax_h3.__file__)
+    skewed = tmp_path / "skewed" / "comfy" / "ldm" / "minimax_h3"
+    shutil.copytree(package, skewed, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(skewed / "modules.py", "a") as f:
+        f.write("\nSKEWED = True  # another version of this module\n")
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "sitecustomize.py").write_text("import sys\nimport absent_media_packages\nabsent_media_packages.install()\n"
+                                           f"sys.path[:0] = [{str(tmp_path / 'skewed')!r}, {REEXPORT_DIR!r}]\n")
+    monkeypatch.syspath_prepend(str(stub))
+    w = workflow
+    node = w.parallel(w.unet("h3_fp32.safetensors"), "cpu,cpu")
+    sp = _runner(node)
+    try:
+        with pytest.raises(ValueError, match="rank 1 does not run the model as rank 0 does \\(code_sha256: "):
+            w.step(node)
+        assert sp.group.state == "closed"
+    finally:
+        sp.close()
+        comfy.model_management.unload_all_models()

@@ -27,7 +27,7 @@ OP_FORWARD = "minimax_h3.forward"
 OP_PATCHES = "minimax_h3.patches"
 # compared when the workers are ready; manual_cast_dtype follows the patch state (ModelComputeDtype)
 # and is compared every step instead
-SETUP_FIELDS = ("model_dtype", "patcher", "attention", "torch", "code_sha256")
+SETUP_FIELDS = ("model_dtype", "patcher", "attention", "torch", "code_sha256", "weights_sha256")
 
 
 def worker_spec(call, settings):
