@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+import weakref
 
 import torch
 
@@ -204,8 +205,19 @@ def weights_fingerprint(patcher, samples=64):
 
     Weights that ComfyUI patched in place are read from the patcher's backups (shared by its clones), so
     rank 0 with a LoRA applied and a freshly loaded worker agree exactly when their base weights do.
-    Quantized tensors are sampled through their inner tensors (``__tensor_flatten__``).
+    Quantized tensors are sampled through their inner tensors (``__tensor_flatten__``). Base weights do
+    not change in memory, so the value is kept per base model.
     """
+    found = _fingerprints.get(patcher.model)
+    if found is None:
+        found = _fingerprints[patcher.model] = _weights_sha256(patcher, samples)
+    return found
+
+
+_fingerprints = weakref.WeakKeyDictionary()
+
+
+def _weights_sha256(patcher, samples):
     code = hashlib.sha256()
     for key, value in sorted(patcher.model.diffusion_model.state_dict(keep_vars=True).items()):
         backup = patcher.backup.get("diffusion_model." + key)
