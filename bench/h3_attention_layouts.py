@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from comfy.ldm.minimax_h3 import kernels  # noqa: E402
 from comfy.ldm.minimax_h3.embedding import rope_rotation_table  # noqa: E402
 from comfy.ldm.minimax_h3.modules import Attention  # noqa: E402
-from h3_gpu import cuda_time  # noqa: E402
+from h3_gpu_common import cuda_time  # noqa: E402
 
 
 def bench(fn):
