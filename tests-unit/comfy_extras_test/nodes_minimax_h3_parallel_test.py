@@ -302,3 +302,36 @@ def test_workers_importing_other_model_code_are_refused_before_any_step(workflow
     finally:
         sp.close()
         comfy.model_management.unload_all_models()
+
+
+def test_an_ack_for_another_patch_state_stops_the_run_and_the_next_run_resends(workflow):
+    """A worker that answers the patch sync with another digest (same lineage) is not trusted: sampling is
+    refused, nothing counts as synced, and the next run sends the full snapshot again and matches."""
+    import dataclasses
+    import comfy.model_management
+    from comfy.model_patcher_snapshot import SnapshotNotAcked
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    node = w.parallel(base, "cpu,cpu")
+    sp = _runner(node)
+    run = sp.group.run
+
+    def forged_ack(op, tensors, meta):
+        result = run(op, tensors, meta)
+        if op.endswith("patches"):
+            ack = dict(result.metas[1]["ack"], digest="0" * 64)
+            result = dataclasses.replace(result, metas=[result.metas[0], {**result.metas[1], "ack": ack}])
+        return result
+
+    try:
+        sp.group.run = forged_ack
+        with pytest.raises(SnapshotNotAcked, match="rank 1: acked version 1/000000000000"):
+            w.sample(w.lora(node, 0.8), steps=1)
+        assert sp.synced is None and sp.steps_run == 0
+        del sp.group.run
+        again, native = w.sample(w.lora(node, 0.8), steps=1), w.sample(w.lora(base, 0.8), steps=1)
+        assert sp.last_sent["kind"] == "snapshot" and sp.last_sent["tensor_bytes"] > 0
+    finally:
+        sp.close()
+        comfy.model_management.unload_all_models()
+    assert _rel(again, native) <= TOL
