@@ -1,5 +1,5 @@
 """The few core facilities H3 calls: attention, fused q/k RMSNorm + rope, SwiGLU down projection,
-weight casting, patch padding, wrappers and block prefetch.
+weight casting, patch padding, wrappers and block prefetch. Internal.
 
 Inside a ComfyUI tree these are ComfyUI's own (so attention backends, overrides, quantised layers,
 offloading and prefetch behave exactly as for every other model). Standalone (tests, workers

@@ -1,4 +1,4 @@
-"""H3 sequence parallelism on a comfy.parallel group of headless ComfyUI workers.
+"""H3 sequence parallelism on a comfy.parallel group of headless ComfyUI workers. Internal.
 
 Rank 0 (ComfyUI) holds one ``SequenceParallel`` per base model and device list. Its workers build
 the same base model with rank 0's own loader call and execution settings, hold it in a ModelPatcher

@@ -1,4 +1,4 @@
-"""One step's inputs as named tensors + a JSON tree, so rank 0 can hand them to every rank.
+"""One step's inputs as named tensors + a JSON tree, so rank 0 can hand them to every rank. Internal.
 
 Only what changes the numerics crosses: the latents, timestep, context, the H3 payload (tags,
 keyframes, references, augmentation levels, seed) and the sigma-shift overrides. The prebuilt

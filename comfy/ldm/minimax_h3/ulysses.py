@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism for H3: the only place where H3 issues collectives.
+"""Ulysses sequence parallelism for H3: the only place where H3 issues collectives. Internal.
 
 Each rank holds a contiguous, balanced block of rows (uneven by at most one row) and, inside
 attention, a balanced share of the heads (uneven by at most one head, so any world size up to the
