@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 import manifest as series
-from manifest import HERE, REPO, SeriesError, git
+from manifest import HERE, REPO, SeriesError, edit_lines, git
 
 FORMAT_PATCH = ["format-patch", "--no-signature", "--zero-commit", "--full-index", "--numbered", "--no-renames",
                 "--break-rewrites", "--stat=80"]
@@ -42,19 +42,21 @@ def add_files(tree, patch, files):
 
 
 def apply_edit(tree, patch, edit):
-    """Insert `insert_line` right after the one line equal to `after_line`; anything else is an error."""
+    """Insert `insert_line` right after the one run of lines equal to `after_line`; anything else is an error."""
     path = os.path.join(tree, edit["path"])
     with open(path, "rb") as f:
         lines = f.read().decode("utf-8").splitlines(keepends=True)
-    anchor, insert = edit["after_line"], edit["insert_line"]
-    hits = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == anchor]
+    anchor, insert = edit_lines(edit)
+    bare = [line.rstrip("\r\n") for line in lines]
+    hits = [i for i in range(len(bare) - len(anchor) + 1) if bare[i:i + len(anchor)] == anchor]
     if len(hits) != 1:
-        raise SeriesError(f"{patch['name']}: edit of {edit['path']}: expected exactly one line {anchor!r}, "
+        raise SeriesError(f"{patch['name']}: edit of {edit['path']}: expected exactly one run of lines {anchor!r}, "
                           f"found {len(hits)}; the base changed, update the edit in patches/series.json")
-    if any(line.rstrip("\r\n") == insert for line in lines):
+    last = hits[0] + len(anchor) - 1
+    if bare[last + 1:last + 1 + len(insert)] == insert:
         raise SeriesError(f"{patch['name']}: edit of {edit['path']}: {insert!r} is already there")
-    ending = lines[hits[0]][len(anchor):] or "\n"
-    lines.insert(hits[0] + 1, insert + ending)
+    ending = lines[last][len(anchor[-1]):] or "\n"
+    lines[last + 1:last + 1] = [line + ending for line in insert]
     with open(path, "wb") as f:
         f.write("".join(lines).encode("utf-8"))
 

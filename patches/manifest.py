@@ -114,6 +114,13 @@ def verify_base(manifest, tree, label=None):
                           + "\n  ".join(wrong))
 
 
+def edit_lines(edit):
+    """(anchor lines, inserted lines) of an edit; `after_line` / `insert_line` are a line or a list of lines."""
+    def lines(v):
+        return [v] if isinstance(v, str) else list(v)
+    return lines(edit["after_line"]), lines(edit["insert_line"])
+
+
 def clone(source, dest):
     """A clean clone of `source` at its HEAD (committed content only, no work-tree edits)."""
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", source, dest], check=True,

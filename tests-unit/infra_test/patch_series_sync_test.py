@@ -9,6 +9,7 @@ exists only in this repository). When a test here fails, run ``COMFYUI_DIR=... p
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -19,6 +20,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATCHES = os.path.join(ROOT, "patches")
 REBUILD = "rebuild the series: COMFYUI_DIR=/path/to/pinned/ComfyUI patches/build"
+
+def _load_manifest_module():
+    spec = importlib.util.spec_from_file_location("patches_manifest", os.path.join(PATCHES, "manifest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+edit_lines = _load_manifest_module().edit_lines if os.path.isfile(os.path.join(PATCHES, "manifest.py")) else None
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
@@ -173,11 +183,12 @@ def test_modified_upstream_files_are_exactly_the_replacements_and_edits(manifest
             data = _read(spec)
             assert diff.new_blob == blob_id(data) and diff.post_image() == data, f"{path} is not {spec}; {REBUILD}"
             continue
+        anchor, insert = edit_lines(spec)
         changes = [(tag, text) for _, body in diff.hunks for tag, text in body if tag != " "]
-        assert changes == [("+", spec["insert_line"] + "\n")], f"{path}: expected only the added line {spec['insert_line']!r}"
+        assert changes == [("+", line + "\n") for line in insert], f"{path}: expected only the added lines {insert!r}"
         body = diff.hunks[0][1]
         added = next(k for k, (tag, _) in enumerate(body) if tag == "+")
-        assert body[added - 1] == (" ", spec["after_line"] + "\n"), f"{path}: the added line must follow {spec['after_line']!r}"
+        assert body[added - 1] == (" ", anchor[-1] + "\n"), f"{path}: the added lines must follow {anchor!r}"
 
 
 def test_every_repository_file_is_in_exactly_one_patch(manifest, patches):
