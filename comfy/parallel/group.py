@@ -93,6 +93,7 @@ class ParallelGroup:
         self._generation = 0
         self._start_args = None
         self._store = None
+        self._store_dir = None
         self._pg_owned = False
         self._control_group = None
         self._monitor = None
@@ -122,10 +123,6 @@ class ParallelGroup:
     @property
     def log_dir(self):
         return self._log_dir
-
-    @property
-    def store_port(self):
-        return self._store.port if self._store is not None else None
 
     def worker_pids(self):
         return {w.rank: w.pid for w in self._workers if w.poll() is None}
@@ -195,7 +192,10 @@ class ParallelGroup:
         deadline = t0 + self.timeouts.startup
         token = secrets.token_bytes(32)
         self._generation = self._next_generation()
-        self._store = pg.loopback_store(self.timeouts.startup)
+        # a fresh store file per start, in a folder only this user can enter
+        self._store_dir = tempfile.mkdtemp(prefix=f"comfy-parallel-{self.name}-rendezvous-", dir=_temp_root(create=True))
+        store_path = os.path.join(self._store_dir, "store")
+        self._store = pg.file_store(store_path, len(self._devices), self.timeouts.startup)
         self._monitor = Monitor(self)
         world = len(self._devices)
         for r in range(1, world):
@@ -204,7 +204,7 @@ class ParallelGroup:
             self._workers.append(w)
             w.send_token(timeout=10.0)
             w.send("hello", 0, {"rank": r, "world_size": world, "device": "cuda:0" if self._backend == "nccl" else "cpu",
-                                "backend": self._backend, "store_port": self._store.port, "spec": spec,
+                                "backend": self._backend, "store_path": store_path, "spec": spec,
                                 "timeouts": self.timeouts.to_json(), "limits": dataclasses.asdict(self.limits)}, timeout=10.0)
         self._monitor.start()
         connected = self._monitor.wait_replies("connected", range(1, world), deadline, "start-up (spawn and imports)")
@@ -370,6 +370,9 @@ class ParallelGroup:
             self._workers = []
         self._control_group = None
         self._store = None
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
         self._runner = None
         self._unpin_loopback()
         pg.release(self)
@@ -391,9 +394,7 @@ class ParallelGroup:
 
     def _next_generation(self):
         if self._log_root is None and self._own_log_dir is None:
-            root = _temp_root()
-            os.makedirs(root, exist_ok=True)
-            self._own_log_dir = self._log_dir = tempfile.mkdtemp(prefix=f"comfy-parallel-{self.name}-", dir=root)
+            self._own_log_dir = self._log_dir = tempfile.mkdtemp(prefix=f"comfy-parallel-{self.name}-", dir=_temp_root(create=True))
         os.makedirs(self._log_dir, exist_ok=True)
         gens = [0]
         for f in os.listdir(self._log_dir):
@@ -413,13 +414,17 @@ class ParallelGroup:
             self._log_dir = None
 
 
-def _temp_root():
+def _temp_root(create=False):
     """ComfyUI's temp directory when ComfyUI is importable (it empties it at start-up), else the system's."""
     try:
         import folder_paths
     except ImportError:
-        return tempfile.gettempdir()
-    return folder_paths.get_temp_directory()
+        root = tempfile.gettempdir()
+    else:
+        root = folder_paths.get_temp_directory()
+    if create:
+        os.makedirs(root, exist_ok=True)
+    return root
 
 
 def _wait_all(workers, timeout):

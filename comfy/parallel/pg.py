@@ -1,6 +1,7 @@
 """torch.distributed plumbing shared by rank 0 and the workers: store, groups, teardown, ownership.
 
-* The rendezvous store listens on 127.0.0.1 only, on an ephemeral port.
+* The rendezvous store is a file in a private (0700) folder: no port another local user could
+  list, write junk into or flood with connections; the workers get its path over their pipe.
 * The default process group is the data group (NCCL for CUDA, on high-priority streams; gloo for
   CPU); a second gloo group carries the small control collectives (preflight, cancel agreement) so
   that they never queue behind NCCL kernels.
@@ -10,7 +11,6 @@
 
 import datetime
 import logging
-import socket
 import threading
 
 import torch.distributed as dist
@@ -47,22 +47,11 @@ def release(group):
             _holder[0] = None
 
 
-def loopback_store(timeout):
-    """A TCPStore master listening on 127.0.0.1 only, on an ephemeral port.
-
-    TCPStore given a host and port 0 listens on every interface, so the socket is bound here and
-    handed over (the store owns and closes it).
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    return dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True, timeout=datetime.timedelta(seconds=timeout),
-                         wait_for_workers=False, master_listen_fd=sock.detach(), use_libuv=True)
+def file_store(path, world_size, timeout):
+    """The rendezvous store: a FileStore at ``path``, which the last of ``world_size`` users removes."""
+    store = dist.FileStore(path, world_size)
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    return store
 
 
 def init_groups(backend, store, rank, world_size, device, timeouts):

@@ -2,11 +2,11 @@
 
 Spawned by ``ParallelGroup.start`` (never by hand). Start-up, in order:
   1. read the group token (32 raw bytes) and an authenticated "hello" (rank, world size, device,
-     backend, store port, worker spec, timeouts) from the command pipe; reply "booted" (from here on
+     backend, store path, worker spec, timeouts) from the command pipe; reply "booted" (from here on
      SIGUSR1 dumps the stacks: rank 0 sends it to a late worker only after this reply);
   2. start the control reader thread: it turns "run"/"shutdown" into work for the main thread, a
      "cancel" into the flag ``ctx.cancelled()`` reads, and EOF (rank 0 gone) into an immediate exit;
-  3. import the spec's modules (they register ops), connect to the store, reply "connected";
+  3. import the spec's modules (they register ops), open the store, reply "connected";
   4. join the process groups (default = data group, plus a gloo control group), run the probe;
   5. ``setup(ctx, **setup_args)`` once (e.g. build the model into ``ctx.state``), reply "ready".
 Then it idles on its queue -- a blocking wait outside any collective, so idling never trips a
@@ -16,7 +16,6 @@ Exit codes are listed in ``errors.py``; everything this process says goes to its
 """
 
 import argparse
-import datetime
 import faulthandler
 import importlib
 import importlib.util
@@ -40,7 +39,7 @@ logger = logging.getLogger("comfy.parallel.worker")
 
 BOOT_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
-_HELLO = {"rank": int, "world_size": int, "device": str, "backend": str, "store_port": int, "spec": dict,
+_HELLO = {"rank": int, "world_size": int, "device": str, "backend": str, "store_path": str, "spec": dict,
           "timeouts": dict, "limits": dict}
 
 
@@ -67,7 +66,7 @@ class Worker:
         self.world_size = body["world_size"]
         self.device_name = body["device"]
         self.backend = body["backend"]
-        self.store_port = body["store_port"]
+        self.store_path = body["store_path"]
         self.spec = body["spec"]
         self.timeouts = body["timeouts"]
         self.limits = Limits(**{f.name: body["limits"][f.name] for f in fields(Limits) if f.name in body["limits"]})
@@ -165,8 +164,7 @@ class Worker:
         device = torch.device(self.device_name)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        startup = datetime.timedelta(seconds=self.timeouts["startup"])
-        self._store = dist.TCPStore("127.0.0.1", self.store_port, is_master=False, timeout=startup)
+        self._store = pg.file_store(self.store_path, self.world_size, self.timeouts["startup"])
         self._send("connected", 0, {"pid": os.getpid(), "torch": torch.__version__, "python": platform.python_version()})
         control = pg.init_groups(self.backend, self._store, self.rank, self.world_size, device, self.timeouts)
         comm.probe(self.rank, self.world_size, device, dist.group.WORLD, control)

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -11,7 +12,7 @@ import pytest
 import torch
 from parallel_helpers import child_pids, listening_sockets, spec, wait_until
 
-from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelStateError, PreflightMismatch, register_op, unregister_op
+from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelStateError, PreflightMismatch, pg, register_op, unregister_op
 
 
 def make_inputs():
@@ -154,7 +155,7 @@ def test_a_fault_keeps_the_log_folder_and_names_it(tmp_path, monkeypatch):
         assert os.listdir(root) == [os.path.basename(kept)]
 
 
-def test_loopback_only_and_token_not_in_argv_or_env(tmp_path):
+def test_token_not_in_argv_or_env_and_sockets_on_loopback_only(tmp_path):
     g = ParallelGroup("loopback", log_dir=str(tmp_path))
     g.start(["cpu", "cpu", "cpu"], spec())
     try:
@@ -165,15 +166,39 @@ def test_loopback_only_and_token_not_in_argv_or_env(tmp_path):
                 with open(f"/proc/{pid}/{what}", "rb") as f:
                     raw = f.read()
                 assert token not in raw and token.hex().encode() not in raw, f"the group token leaks into {what}"
-        port = g.store_port
-        sockets = listening_sockets([os.getpid(), *g.worker_pids().values()])
-        assert ("127.0.0.1", port) in sockets
-        assert sockets, "expected the store (and gloo) to listen"
-        for addr, p in sockets:
+        for addr, p in listening_sockets([os.getpid(), *g.worker_pids().values()]):
             assert addr in ("127.0.0.1", "::ffff:127.0.0.1", "::1"), f"{addr}:{p} is reachable from outside the host"
     finally:
         g.close()
-    assert ("127.0.0.1", port) not in listening_sockets([os.getpid()])
+
+
+def test_rendezvous_opens_no_port_and_its_private_folder_goes_on_close(tmp_path, monkeypatch):
+    """The store is a file in a 0700 folder: while the ranks rendezvous, rank 0 listens on nothing
+    (no port another local user could list, write junk into or flood with connections)."""
+    seen = {}
+    init_groups = pg.init_groups
+
+    def spy(backend, store, rank, world_size, device, timeouts):
+        # every worker has opened the store and replied "connected"; gloo has opened nothing yet
+        seen["listening"] = set(listening_sockets([os.getpid()])) - before
+        folder = seen["folder"] = os.path.dirname(getattr(store, "path", ""))
+        if folder:
+            seen.update(mode=stat.S_IMODE(os.stat(folder).st_mode), owner=os.stat(folder).st_uid, files=os.listdir(folder))
+        return init_groups(backend, store, rank, world_size, device, timeouts)
+
+    monkeypatch.setattr(pg, "init_groups", spy)
+    before = set(listening_sockets([os.getpid()]))
+    g = ParallelGroup("rendezvous", log_dir=str(tmp_path))
+    g.start(["cpu", "cpu", "cpu"], spec())
+    try:
+        assert seen["listening"] == set(), f"the rendezvous listens on {seen['listening']}"
+        assert (seen["mode"], seen["owner"]) == (0o700, os.getuid())
+        assert seen["files"] == ["store"]
+        assert os.path.isdir(seen["folder"]) and not seen["folder"].startswith(str(tmp_path))
+        assert g.run("test.collectives", {"x": torch.ones(1)}).tensors["sum"].tolist() == [6.0] * 3
+    finally:
+        g.close()
+    assert not os.path.exists(seen["folder"])
 
 
 def test_preflight_mismatch_stops_every_rank_and_keeps_the_group(tmp_path):
