@@ -49,6 +49,15 @@ def runner_for(model, devices):
     return runners[key]
 
 
+def refuse_multigpu_clones(model):
+    # MultiGPU CFG Split runs cond units in threads on full model copies; those would share this
+    # process's one torch.distributed group with the sharded steps
+    if model.get_additional_models_with_key("multigpu"):
+        raise ValueError("MiniMax H3 Sequence Parallel cannot be combined with MultiGPU CFG Split on the same model: "
+                         "remove one of the two nodes (sequence parallelism already uses every listed GPU for each "
+                         "cond and uncond step)")
+
+
 def attach(model, devices):
     """A clone of ``model`` whose H3 steps run on ``devices`` (rank 0 = this process, devices[0])."""
     if not sys.platform.startswith("linux"):
@@ -60,10 +69,12 @@ def attach(model, devices):
     if torch.device(devices[0]) != torch.device(comfy.model_management.get_torch_device()):
         raise ValueError(f"the first device must be the one ComfyUI runs on ({comfy.model_management.get_torch_device()}), "
                          f"got {devices[0]}")
+    refuse_multigpu_clones(model)
     sp = runner_for(model, devices)
     m = model.clone()
 
     def on_pre_run(patcher):
+        refuse_multigpu_clones(patcher)
         sp.prepare(patcher)
 
     def on_detach(patcher, unpatch_all):

@@ -305,8 +305,9 @@ def test_workers_importing_other_model_code_are_refused_before_any_step(workflow
 
 
 def test_an_ack_for_another_patch_state_stops_the_run_and_the_next_run_resends(workflow):
-    """A worker that answers the patch sync with another digest (same lineage) is not trusted: sampling is
-    refused, nothing counts as synced, and the next run sends the full snapshot again and matches."""
+    """LoRA 0.8 runs; a worker then answers the sync of LoRA 0.5 with another digest (same lineage): it holds
+    0.5 but is not trusted, sampling is refused and nothing counts as synced. Going back to 0.8 must resend
+    the full snapshot (a runner that still recorded 0.8 as synced would skip it and run on 0.5)."""
     import dataclasses
     import comfy.model_management
     from comfy.model_patcher_snapshot import SnapshotNotAcked
@@ -324,10 +325,11 @@ def test_an_ack_for_another_patch_state_stops_the_run_and_the_next_run_resends(w
         return result
 
     try:
+        w.sample(w.lora(node, 0.8), steps=1)
         sp.group.run = forged_ack
-        with pytest.raises(SnapshotNotAcked, match="rank 1: acked version 1/000000000000"):
-            w.sample(w.lora(node, 0.8), steps=1)
-        assert sp.synced is None and sp.steps_run == 0
+        with pytest.raises(SnapshotNotAcked, match="rank 1: acked version 2/000000000000"):
+            w.sample(w.lora(node, 0.5), steps=1)
+        assert sp.synced is None and sp.steps_run == 2
         del sp.group.run
         again, native = w.sample(w.lora(node, 0.8), steps=1), w.sample(w.lora(base, 0.8), steps=1)
         assert sp.last_sent["kind"] == "snapshot" and sp.last_sent["tensor_bytes"] > 0
@@ -335,3 +337,25 @@ def test_an_ack_for_another_patch_state_stops_the_run_and_the_next_run_resends(w
         sp.close()
         comfy.model_management.unload_all_models()
     assert _rel(again, native) <= TOL
+
+
+def test_multigpu_cfg_split_on_the_same_model_is_refused_before_or_after_the_node(workflow):
+    """MultiGPU CFG Split marks its model with 'multigpu' additional models (one full copy per extra GPU);
+    the node refuses such a model as input, and at sampling time when the split was added downstream."""
+    import comfy.model_management
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    split = base.clone()
+    split.set_additional_models("multigpu", [base.clone()])
+    with pytest.raises(ValueError, match="cannot be combined with MultiGPU CFG Split"):
+        w.parallel(split, "cpu,cpu")
+    node = w.parallel(base, "cpu,cpu")
+    downstream = node.clone()
+    downstream.set_additional_models("multigpu", [base.clone()])
+    try:
+        with pytest.raises(ValueError, match="cannot be combined with MultiGPU CFG Split"):
+            downstream.pre_run()
+        assert _runner(node).group.state == "idle"
+    finally:
+        _runner(node).close()
+        comfy.model_management.unload_all_models()
