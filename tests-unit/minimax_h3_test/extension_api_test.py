@@ -14,7 +14,7 @@ from h3_cases import plan_for, tiny_model
 
 # where each versioned name is defined (the package must hand out that very object)
 HOMES = {
-    "MiniMaxH3Model": "model", "SEQUENCE_PARALLEL_OPTION": "model", "ForwardPlan": "plan", "ShardPlan": "plan",
+    "MiniMaxH3Model": "model", "SEQUENCE_PARALLEL_OPTION": "model", "StepInputs": "step_io", "ForwardPlan": "plan", "ShardPlan": "plan",
     "PackedLayout": "layout", "TimestepPlan": "conditioning", "text_tag_runs": "conditioning",
     "mod_segments": "conditioning", "curve_t_emb": "conditioning", "clip_segments": "modulation",
     "mod_scale_shift": "modulation", "mod_gate": "modulation", "norm_scale_shift": "modulation",
@@ -41,7 +41,7 @@ def test_importing_the_package_imports_no_model_code():
 def test_the_ulysses_runner_satisfies_the_protocol_and_incomplete_runners_do_not():
     from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
     model, cfg = tiny_model()
-    plan = plan_for(model, cfg)[0]
+    plan = plan_for(model, cfg).plan
     assert isinstance(UlyssesAttention(plan.shard(2, 0, 4), 4, 16), SequenceParallelRunner)
 
     class NoAttention:

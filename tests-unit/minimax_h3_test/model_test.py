@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from comfy.ldm.minimax_h3.model import MiniMaxH3Model
+from comfy.ldm.minimax_h3.step_io import StepInputs
 from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
 from h3_cases import tiny_model
 
@@ -72,5 +73,5 @@ def test_block_patch_and_sigma_shift_reach_the_forward():
     shifted = model(x, t, c, opts, minimax_payload=p)
     assert not torch.allclose(shifted[1], base[1])
     # the override moves the audio stream's timestep only
-    plans = [model.plan(x[0], tuple(x[0].shape[2:]), x[1], t, c, o, p).timesteps for o in ({}, opts)]
+    plans = [model.plan(StepInputs(x[0], x[1], t, c, p, o)).timesteps for o in ({}, opts)]
     assert plans[0].t_video == plans[1].t_video and plans[0].t_audio != plans[1].t_audio

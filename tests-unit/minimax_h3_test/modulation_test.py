@@ -57,10 +57,10 @@ def test_unfused_on_cpu_and_when_rows_are_not_covered(monkeypatch):
 @pytest.mark.parametrize("kind", ["tags", "refs_all"])
 def test_model_forward_fused_matches_unfused(monkeypatch, kind):
     model, cfg = tiny_model()
-    _, _, (x, t, c, p) = plan_for(model, cfg, kind)
+    case = plan_for(model, cfg, kind)
     with torch.no_grad():
-        ref = model(x, t, c, {}, minimax_payload=p)
+        ref = case.forward(model)
         monkeypatch.setattr(kernels, "fused_adaln", lambda t: True)
-        got = model(x, t, c, {}, minimax_payload=p)
+        got = case.forward(model)
     for r, o in zip(ref, got):
         assert (o - r).abs().max() <= 1e-5 * r.abs().max()

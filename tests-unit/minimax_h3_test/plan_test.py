@@ -9,7 +9,7 @@ from h3_cases import plan_for, tiny_model
 
 def _digests(rank, world):
     model, cfg = tiny_model()
-    return [plan_for(model, cfg, kind)[0].digest() for kind in INPUT_KINDS]
+    return [plan_for(model, cfg, kind).plan.digest() for kind in INPUT_KINDS]
 
 
 def test_digest_is_stable_across_processes(run_ranks):
@@ -21,12 +21,12 @@ def test_digest_is_stable_across_processes(run_ranks):
 
 def test_digest_changes_with_every_input_that_matters():
     model, cfg = tiny_model()
-    base = plan_for(model, cfg, "keyframes")[0].digest()
-    assert plan_for(model, cfg, "keyframes", sigma=0.5)[0].digest() != base
-    assert plan_for(model, cfg, "keyframes", audio_t=6)[0].digest() != base
-    assert plan_for(model, cfg, "keyframes", seed=1)[0].digest() != base
+    base = plan_for(model, cfg, "keyframes").plan.digest()
+    assert plan_for(model, cfg, "keyframes", sigma=0.5).plan.digest() != base
+    assert plan_for(model, cfg, "keyframes", audio_t=6).plan.digest() != base
+    assert plan_for(model, cfg, "keyframes", seed=1).plan.digest() != base
     other, _ = tiny_model(curve=9)
-    assert plan_for(other, cfg, "keyframes")[0].digest() != base
+    assert plan_for(other, cfg, "keyframes").plan.digest() != base
 
 
 def _merged(segments):
@@ -48,7 +48,7 @@ def test_balanced_ranges():
 @pytest.mark.parametrize("kind", ["t2va", "tags", "keyframes", "refs_all"])
 def test_shards_partition_rows_segments_and_targets(world, kind):
     model, cfg = tiny_model()
-    plan = plan_for(model, cfg, kind, height=5)[0]
+    plan = plan_for(model, cfg, kind, height=5).plan
     shards = [ShardPlan.build(plan, world, r, heads=4 if world <= 4 else None) for r in range(world)]
     covered, mods, video, audio = [], [], [], []
     for s in shards:
@@ -70,6 +70,6 @@ def test_shards_partition_rows_segments_and_targets(world, kind):
 
 def test_shard_refuses_more_ranks_than_heads():
     model, cfg = tiny_model()
-    plan = plan_for(model, cfg)[0]
+    plan = plan_for(model, cfg).plan
     with pytest.raises(ValueError, match="needs at least 5 attention heads; the model has 4"):
         ShardPlan.build(plan, 5, 0, heads=4)

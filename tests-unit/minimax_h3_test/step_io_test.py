@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from comfy.ldm.minimax_h3.layout import PackedLayout
-from comfy.ldm.minimax_h3.step_io import decode_step, encode_step
+from comfy.ldm.minimax_h3.step_io import StepInputs
 from comfy.ldm.minimax_h3.synthetic import INPUT_KINDS, TINY_CONFIG, step_inputs
 
 
@@ -15,11 +15,12 @@ def test_round_trip_every_conditioning_kind(kind):
     x, t, c, p = step_inputs(TINY_CONFIG, kind, audio_scale=0.7)
     p["layout"] = PackedLayout(c.shape[1], *x[0].shape[2:], x[1].shape[-1], keyframes=p.get("keyframes"), refs=p.get("refs"))
     opts = {"minimax_h3_sigma_shift_audio": 4.0, "wrappers": {}, "sigmas": torch.ones(3)}
-    tensors, meta = encode_step(x, t, c, p, opts)
+    tensors, meta = StepInputs(x[0], x[1], t, c, p, opts).encode()
     meta = json.loads(json.dumps(meta))  # what crosses is plain JSON
-    video, audio, t2, c2, p2, o2 = decode_step(tensors, meta)
-    assert torch.equal(video, x[0]) and torch.equal(audio, x[1]) and torch.equal(t2, t) and torch.equal(c2, c)
-    assert o2 == {"minimax_h3_sigma_shift_audio": 4.0}
+    got = StepInputs.decode(tensors, meta)
+    assert torch.equal(got.video, x[0]) and torch.equal(got.audio, x[1]) and torch.equal(got.timestep, t) and torch.equal(got.context, c)
+    assert got.options == {"minimax_h3_sigma_shift_audio": 4.0}
+    p2 = got.payload
     assert "layout" not in p2 and set(p2) == set(p) - {"layout"}
     for key in ("keyframes", "refs"):
         for a, b in zip(p.get(key, []), p2.get(key, [])):
@@ -33,12 +34,12 @@ def test_round_trip_every_conditioning_kind(kind):
 def test_unsendable_payload_and_options_are_refused():
     x, t, c, p = step_inputs(TINY_CONFIG, "t2va")
     with pytest.raises(TypeError, match=r"minimax_payload.extra is a object"):
-        encode_step(x, t, c, dict(p, extra=object()), {})
+        StepInputs(x[0], x[1], t, c, dict(p, extra=object())).encode()
     with pytest.raises(ValueError, match=r"block replacement patches \[\"\('double_block', 3\)\"\]"):
-        encode_step(x, t, c, p, {"patches_replace": {"dit": {("double_block", 3): None}}})
-    tensors, meta = encode_step(x, t, c, p, {})
+        StepInputs(x[0], x[1], t, c, p, {"patches_replace": {"dit": {("double_block", 3): None}}}).encode()
+    tensors, meta = StepInputs(x[0], x[1], t, c, p).encode()
     with pytest.raises(ValueError, match="version 99"):
-        decode_step(tensors, dict(meta, version=99))
+        StepInputs.decode(tensors, dict(meta, version=99))
 
 
 @pytest.mark.comfyui

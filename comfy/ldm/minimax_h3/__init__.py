@@ -11,7 +11,7 @@ import typing
 H3_EXTENSION_API = (1, 0)
 
 _EXPORTS = {
-    "MiniMaxH3Model": "model", "SEQUENCE_PARALLEL_OPTION": "model",
+    "MiniMaxH3Model": "model", "SEQUENCE_PARALLEL_OPTION": "model", "StepInputs": "step_io",
     "ForwardPlan": "plan", "ShardPlan": "plan",
     "PackedLayout": "layout",
     "TimestepPlan": "conditioning", "text_tag_runs": "conditioning", "mod_segments": "conditioning",
@@ -25,7 +25,7 @@ __all__ = ["H3_EXTENSION_API", "SequenceParallelRunner", *_EXPORTS]
 
 @typing.runtime_checkable
 class SequenceParallelRunner(typing.Protocol):
-    """What ``MiniMaxH3Model.run(plan, shard, ..., seq_parallel=runner)`` calls on a sharded step.
+    """What ``MiniMaxH3Model.run(plan, shard, inputs, seq_parallel=runner)`` calls on a sharded step.
 
     A runner may also provide ``adaln_projections(projections, t_emb)``: the list of every block's
     ``AdalnProj.project(t_emb)``, computed once for all ranks (``DiTBlock`` takes one as ``adaln=``);

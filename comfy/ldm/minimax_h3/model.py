@@ -1,12 +1,9 @@
 """MiniMax H3 audio-video DiT: one forward for native and sequence-parallel runs.
 
-``forward`` undoes the sampler's audio carry around the DIFFUSION_MODEL wrappers; ``_forward``
-builds the step's ForwardPlan and runs it: natively as the single shard of a one-rank ShardPlan,
-or through a sequence-parallel runner placed in ``transformer_options`` (every rank then calls
-``run`` with its own shard). ``run`` embeds only the rows a shard holds, runs every block on them
-and applies the final layer to the target rows among them.
+``_forward`` builds the step's ForwardPlan from its StepInputs, then runs it as the single shard of
+a one-rank ShardPlan, or hands (plan, inputs) to the sequence-parallel runner in
+``transformer_options``, whose ranks each call ``run`` with their own shard.
 """
-
 import hashlib
 import json
 
@@ -19,6 +16,7 @@ from .embedding import (condition_rows, pack_audio, patchify_video, rope_angles,
                         unpack_audio, unpatchify_video)
 from .modules import DiTBlock, FinalLayer, TimeEmbedder, TokenRefiner
 from .plan import ForwardPlan
+from .step_io import StepInputs
 
 # transformer_options key under which a sequence-parallel runner is attached (comfy/parallel side)
 SEQUENCE_PARALLEL_OPTION = "minimax_h3_sequence_parallel"
@@ -110,26 +108,27 @@ class MiniMaxH3Model(nn.Module):
         return out
 
     def _forward(self, x, timestep, context, transformer_options={}, minimax_payload=None, **kwargs):
-        video_x, audio_x = x[0], x[1]
-        orig_thw = tuple(video_x.shape[2:5])
-        video_x = kernels.pad_to_patch_size(video_x, self.patch_size)
-        payload = minimax_payload or {}
-        plan = self.plan(video_x, orig_thw, audio_x, timestep, context, transformer_options, payload)
+        inputs = StepInputs(x[0], x[1], timestep, context, minimax_payload or {}, transformer_options)
+        plan = self.plan(inputs)
         runner = transformer_options.get(SEQUENCE_PARALLEL_OPTION)
         if runner is not None:
-            v, a = runner(self, plan, video_x, audio_x, timestep, context, payload, transformer_options)
+            v, a = runner(plan, inputs)
         else:
-            v, a = self.run(plan, plan.shard(1, 0, self.num_heads), video_x, audio_x, context, payload, transformer_options)
-        return self.unpack(plan, v, a, video_x.dtype, audio_x.dtype)
+            v, a = self.run(plan, plan.shard(1, 0, self.num_heads), inputs)
+        return self.unpack(plan, v, a, inputs.video.dtype, inputs.audio.dtype)
 
-    def plan(self, video_x, orig_thw, audio_x, timestep, context, transformer_options, payload):
+    def plan(self, inputs):
         """The step's ForwardPlan (pure; the same on every rank given the same inputs)."""
-        self.check_inputs(video_x, audio_x, context)
-        shifts = sigma_shifts(transformer_options, self.sigma_shift_video, self.sigma_shift_audio)
-        return ForwardPlan.build(video_x.shape, orig_thw, audio_x.shape, context.shape, float(video_sigma(timestep)), shifts,
-                                 payload, self.model_key, self.hidden_size)
+        self.check_inputs(inputs)
+        video, audio, context = inputs.video, inputs.audio, inputs.context
+        orig_thw = tuple(video.shape[2:])
+        padded = tuple(n + (-n) % p for n, p in zip(orig_thw, self.patch_size))  # as kernels.pad_to_patch_size pads
+        shifts = sigma_shifts(inputs.options, self.sigma_shift_video, self.sigma_shift_audio)
+        return ForwardPlan.build(video.shape[:2] + padded, orig_thw, audio.shape, context.shape, float(video_sigma(inputs.timestep)),
+                                 shifts, inputs.payload, self.model_key, self.hidden_size)
 
-    def check_inputs(self, video_x, audio_x, context):
+    def check_inputs(self, inputs):
+        video_x, audio_x, context = inputs.video, inputs.audio, inputs.context
         if video_x.shape[0] != 1 or audio_x.shape[0] != 1 or context.shape[0] != 1:
             raise ValueError(f"MiniMax H3 supports batch size 1; got video {tuple(video_x.shape)}, audio "
                              f"{tuple(audio_x.shape)}, context {tuple(context.shape)}: run cond and uncond separately")
@@ -150,8 +149,10 @@ class MiniMaxH3Model(nn.Module):
             return curve_t_emb(kernels.cast_to(self.adaln_t_table, device, torch.float32), t_vals)
         return self.time_embedder(t_vals).to(dtype)
 
-    def embed(self, plan, shard, video_x, audio_x, context, payload, transformer_options):
+    def embed(self, plan, shard, inputs):
         """[shard.rows, hidden] input embeddings of the rows a shard holds."""
+        video_x, audio_x, context, payload = inputs.video, inputs.audio, inputs.context, inputs.payload
+        video_x = kernels.pad_to_patch_size(video_x, self.patch_size)
         device, dtype = video_x.device, context.dtype
         video = stream_rows(condition_rows(payload.get("cond_video_latents", []), lambda z: patchify_video(z, self.patch_size),
                                            plan.vis_aug, plan.seed, device),
@@ -165,7 +166,7 @@ class MiniMaxH3Model(nn.Module):
         if any(s == "text" for _, _, s, _ in shard.pieces):
             text = context[0]
             if plan.refine_text:
-                text = self.token_refiner(self.condition_proj(text), transformer_options=transformer_options)
+                text = self.token_refiner(self.condition_proj(text), transformer_options=inputs.options)
             sources["text"] = (0, text)
         h = torch.empty(shard.rows, self.hidden_size, dtype=dtype, device=device)
         for a, b, source, off in shard.pieces:
@@ -173,11 +174,14 @@ class MiniMaxH3Model(nn.Module):
             h[a:b] = rows[off - first:off - first + b - a]
         return h
 
-    def run(self, plan, shard, video_x, audio_x, context, payload, transformer_options, seq_parallel=None):
-        """Run one step on the rows of `shard` -> (video, audio) fp32 velocity rows of its target rows."""
-        device, dtype = video_x.device, context.dtype
+    def run(self, plan, shard, inputs, seq_parallel=None):
+        """Run one step on the rows of `shard` -> (video, audio) fp32 velocity rows of its target rows.
+
+        seq_parallel: a SequenceParallelRunner when the rows are one shard of several, else None.
+        """
+        device, dtype, transformer_options = inputs.video.device, inputs.context.dtype, inputs.options
         t_emb = self.time_embedding(plan, device, dtype)
-        h = self.embed(plan, shard, video_x, audio_x, context, payload, transformer_options)
+        h = self.embed(plan, shard, inputs)
         # rotation table computed once per forward, consumed by the fused split-half rope
         rope = rope_rotation_table(self.rope_freqs(shard.positions(plan), device), dtype)
         mod = list(shard.mod_segments)

@@ -1,13 +1,12 @@
 """H3 sequence parallelism on a comfy.parallel group of headless ComfyUI workers. Internal.
 
-Rank 0 (ComfyUI) holds one ``SequenceParallel`` per base model and device list. Its workers build
-the same base model with rank 0's own loader call and execution settings, hold it in a ModelPatcher
-and take rank 0's patch state as PatchSnapshots through ComfyUI's own patch path. Each step's inputs
-are broadcast once; every rank rebuilds the ForwardPlan and proves plan, patch version and model
-set-up equal in a preflight before its shard runs; rank 0 receives the full target rows.
+Workers build rank 0's base model with rank 0's loader call and hold its patch state (PatchSnapshots).
+Each step, rank 0 broadcasts the StepInputs once and the workers rebuild the plan rank 0's model built;
+a preflight proves plan, patch version and model set-up equal on every rank before any shard runs.
 """
 
 import contextlib
+import dataclasses
 import logging
 import types
 
@@ -20,7 +19,7 @@ import comfy.ops
 from comfy import model_patcher_snapshot as snapshots
 from comfy.parallel import ParallelGroup, headless, register_op
 
-from .step_io import decode_step, encode_step
+from .step_io import StepInputs
 from .ulysses import DEFAULT_CHUNKS, sharded_forward
 
 OP_FORWARD = "minimax_h3.forward"
@@ -70,15 +69,15 @@ def _attention_override(name):
 def forward_op(ctx, tensors, meta):
     """One step's part on this rank; rank 0 gets the full (video, audio) target rows."""
     model = ctx.state["model"]
-    video, audio, timestep, context, payload, options = decode_step(tensors, meta["step"])
+    inputs = StepInputs.decode(tensors, meta["step"])
     if meta["attention"] is not None:
-        options["optimized_attention_override"] = _attention_override(meta["attention"])
-    plan = model.plan(video, tuple(meta["orig_thw"]), audio, timestep, context, options, payload)
+        inputs.options["optimized_attention_override"] = _attention_override(meta["attention"])
+    # rank 0 runs the plan its model built for this step; the workers rebuild it from the same inputs
+    plan = ctx.state.pop("plan") if ctx.rank == 0 else model.plan(inputs)
     # same plan, patch state and model set-up on every rank, checked before the first data collective
     ctx.preflight(headless.digest([plan.digest(), list(ctx.state["patch_version"]), ctx.state["describe"]]))
     with torch.no_grad():
-        v, a = sharded_forward(model, plan, ctx.rank, ctx.world_size, video, audio, context, payload, options,
-                               group=ctx.data_group, chunks=meta["chunks"])
+        v, a = sharded_forward(model, plan, inputs, ctx.rank, ctx.world_size, group=ctx.data_group, chunks=meta["chunks"])
     return ({"video": v, "audio": a} if ctx.rank == 0 else {}), {}
 
 
@@ -152,19 +151,24 @@ class SequenceParallel:
         logging.info("MiniMax H3 sequence parallel: %d ranks hold patch snapshot %s (sent %s)", self.world_size,
                      snapshot.describe(), self.last_sent)
 
-    def __call__(self, model, plan, video_x, audio_x, timestep, context, payload, transformer_options):
-        """The runner MiniMaxH3Model._forward calls: -> full (video, audio) fp32 target rows."""
+    def __call__(self, plan, inputs):
+        """The runner MiniMaxH3Model._forward calls with the step's plan and StepInputs: -> full (video,
+        audio) fp32 target rows."""
         if self.synced is None:
             raise snapshots.SnapshotNotAcked("no patch snapshot has been synced to the sequence-parallel ranks; "
                                              "call prepare() (the node does this before sampling) before running steps")
-        options = dict(transformer_options)
+        options = dict(inputs.options)
         override = options.pop("optimized_attention_override", None)
-        tensors, step = encode_step([video_x, audio_x], timestep, context, payload, options)
-        meta = {"step": step, "orig_thw": list(plan.orig_thw), "chunks": self.chunks,
+        tensors, step = dataclasses.replace(inputs, options=options).encode()
+        meta = {"step": step, "chunks": self.chunks,
                 "attention": headless.attention_name(override) if override is not None else None}
-        with _interrupt_after_step():
-            result = self.group.run(OP_FORWARD, tensors, meta)
-            self.steps_run += 1
+        self._rank0["plan"] = plan
+        try:
+            with _interrupt_after_step():
+                result = self.group.run(OP_FORWARD, tensors, meta)
+                self.steps_run += 1
+        finally:
+            self._rank0.pop("plan", None)
         return result.tensors["video"], result.tensors["audio"]
 
     def close(self):

@@ -1,15 +1,15 @@
-"""One step's inputs as named tensors + a JSON tree, so rank 0 can hand them to every rank. Internal.
+"""StepInputs: one step's inputs, and their wire form (named tensors + a JSON tree) for other ranks.
 
-Only what changes the numerics crosses: the latents, timestep, context, the H3 payload (tags,
-keyframes, references, augmentation levels, seed) and the sigma-shift overrides. The prebuilt
-layout is dropped (every rank rebuilds it from the same inputs). Anything else in the payload that
-is not a tensor, number, string, bool, None, list or dict is refused by name, as are
-transformer_options entries that would have to run on every rank but cannot be sent there.
+The wire form is internal. Only what changes the numerics crosses: latents, timestep, context, the
+H3 payload minus its prebuilt layout (every rank rebuilds it) and the sigma-shift overrides; what
+cannot be sent, and options that would run on rank 0's rows only, are refused by name.
 """
+
+from dataclasses import dataclass, field
 
 import torch
 
-STEP_IO_VERSION = 1
+STEP_IO_VERSION = 2
 TENSOR_TAG = "__tensor__"
 SHIFT_KEYS = ("minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio")
 DROPPED_PAYLOAD_KEYS = ("layout",)
@@ -56,26 +56,40 @@ def check_replicable_options(transformer_options):
                          ": they would run on rank 0's rows only. Remove them or run on one GPU.")
 
 
-def encode_step(x, timestep, context, payload, transformer_options):
-    """-> (tensors {name: Tensor}, meta JSON tree)."""
-    check_replicable_options(transformer_options)
-    tensors = {}
-    sent = {k: v for k, v in (payload or {}).items() if k not in DROPPED_PAYLOAD_KEYS}
-    meta = {"version": STEP_IO_VERSION,
-            "video": _encode(x[0], "x[0]", tensors), "audio": _encode(x[1], "x[1]", tensors),
-            "timestep": _encode(timestep, "timestep", tensors), "context": _encode(context, "context", tensors),
-            "payload": _encode(sent, "minimax_payload", tensors),
-            "options": {k: float(transformer_options[k]) for k in SHIFT_KEYS if k in transformer_options}}
-    return tensors, meta
+@dataclass
+class StepInputs:
+    """One step's inputs, as ``MiniMaxH3Model.forward`` takes them (the audio stream un-carried).
 
+    video [1, C, T, H, W] (not yet padded to the patch size), audio [1, C, 2, T], timestep [1]
+    (sigma * 1000), context [1, L, text_dim or hidden], payload (``minimax_payload``), options
+    (``transformer_options``).
+    """
+    video: torch.Tensor
+    audio: torch.Tensor
+    timestep: torch.Tensor
+    context: torch.Tensor
+    payload: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
 
-def decode_step(tensors, meta):
-    """-> (video, audio, timestep, context, payload, transformer_options)."""
-    if meta.get("version") != STEP_IO_VERSION:
-        raise ValueError(f"step inputs have version {meta.get('version')!r}, this rank understands {STEP_IO_VERSION}: "
-                         "all ranks must run the same ComfyUI code")
-    unknown = sorted(set(meta["options"]) - set(SHIFT_KEYS))
-    if unknown:
-        raise ValueError(f"step inputs carry unknown options {unknown}")
-    d = lambda key: _decode(meta[key], tensors)
-    return d("video"), d("audio"), d("timestep"), d("context"), d("payload"), dict(meta["options"])
+    def encode(self):
+        """-> (tensors {name: Tensor}, meta JSON tree) for ``decode`` on another rank."""
+        check_replicable_options(self.options)
+        tensors = {}
+        sent = {k: v for k, v in self.payload.items() if k not in DROPPED_PAYLOAD_KEYS}
+        meta = {"version": STEP_IO_VERSION,
+                "video": _encode(self.video, "x[0]", tensors), "audio": _encode(self.audio, "x[1]", tensors),
+                "timestep": _encode(self.timestep, "timestep", tensors), "context": _encode(self.context, "context", tensors),
+                "payload": _encode(sent, "minimax_payload", tensors),
+                "options": {k: float(self.options[k]) for k in SHIFT_KEYS if k in self.options}}
+        return tensors, meta
+
+    @classmethod
+    def decode(cls, tensors, meta):
+        if meta.get("version") != STEP_IO_VERSION:
+            raise ValueError(f"step inputs have version {meta.get('version')!r}, this rank understands {STEP_IO_VERSION}: "
+                             "all ranks must run the same ComfyUI code")
+        unknown = sorted(set(meta["options"]) - set(SHIFT_KEYS))
+        if unknown:
+            raise ValueError(f"step inputs carry unknown options {unknown}")
+        d = lambda key: _decode(meta[key], tensors)
+        return cls(d("video"), d("audio"), d("timestep"), d("context"), d("payload"), dict(meta["options"]))

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from . import kernels
 from .plan import balanced_ranges
-from .step_io import check_replicable_options
 
 
 # Pipeline depth of the attention all-to-alls (UlyssesAttention's `chunks`); see bench/results/h3_h200_overlap.json.
@@ -203,15 +202,13 @@ def gather_targets(shard, video_rows, audio_rows, dst=0, group=None):
     return torch.cat(video), torch.cat(audio)
 
 
-def sharded_forward(model, plan, rank, world_size, video_x, audio_x, context, payload, transformer_options, group=None,
-                    chunks=DEFAULT_CHUNKS):
+def sharded_forward(model, plan, inputs, rank, world_size, group=None, chunks=DEFAULT_CHUNKS):
     """This rank's part of one step; returns the full (video, audio) target rows on rank 0, else (None, None).
 
     `chunks`: heads per rank are exchanged in this many pipelined pieces (see UlyssesAttention); it
     must be the same on every rank.
     """
-    check_replicable_options(transformer_options)
     shard = plan.shard(world_size, rank, model.num_heads)
     sp = UlyssesAttention(shard, model.num_heads, model.config["attention_head_dim"], group=group, chunks=chunks)
-    v, a = model.run(plan, shard, video_x, audio_x, context, payload, transformer_options, seq_parallel=sp)
+    v, a = model.run(plan, shard, inputs, seq_parallel=sp)
     return gather_targets(shard, v, a, group=group)
