@@ -30,6 +30,8 @@ class Timeouts:
     * ``idle``: how long a worker waits for the next op; None waits forever (workers block on their
       control pipe, not in a collective, so idling never trips a collective timeout).
     * ``collective``: backstop timeout of a single gloo/NCCL collective inside an op.
+    * ``stopped``: how long a worker may stay stopped (SIGSTOP, a tracer) before the group faults
+      naming it; its peers would otherwise wait in a collective until the op deadline.
     * ``close``: grace for workers to exit on ``close()`` before SIGTERM, then SIGKILL.
     """
     startup: float = 600.0
@@ -38,6 +40,7 @@ class Timeouts:
     cancel: float = 10.0
     idle: float | None = None
     collective: float = 600.0
+    stopped: float = 5.0
     close: float = 5.0
 
     def __post_init__(self):

@@ -4,7 +4,8 @@ It runs for the life of the workers and, every ``POLL`` seconds or as soon as a 
 * decodes replies (authenticated, in order) and hands them to whoever waits (``wait_replies``,
   ``OpRunner``), checking that each is the reply expected at that point;
 * notices a worker that exited (EOF on its pipe, or its process reaped) and records a
-  ``ParallelGroupError`` with its rank, exit code and log tail;
+  ``ParallelGroupError`` with its rank, exit code and log tail; likewise a worker stopped for
+  longer than ``Timeouts.stopped`` (its peers would wait for it until the op deadline);
 * records ``ParallelOpError`` when a worker reports that an op raised;
 * enforces the in-flight op's deadline and cancel deadline: late workers first dump their stacks
   into their logs (SIGUSR1 -> faulthandler), then are killed. Only workers that replied "booted"
@@ -163,6 +164,7 @@ class Monitor:
         for w in list(self._group._workers):
             if not w.exit_handled and (w.eof or w.poll() is not None):
                 self._on_exit(w)
+        self._check_stopped()
         self._check_deadline()
 
     def _on_message(self, w, m):
@@ -230,6 +232,21 @@ class Monitor:
         what = describe_exit(code) if code is not None else "closed its control channel but has not exited"
         g._record_fault(ParallelGroupError(f"worker rank {w.rank} (pid {w.pid}, {w.device}) {what} {when}", rank=w.rank,
                                            exitcode=code, log_tail=w.log_tail(), log_path=w.log_path))
+
+    def _check_stopped(self):
+        g = self._group
+        now = time.monotonic()
+        for w in list(g._workers):
+            if w.exit_handled or not w.is_stopped():
+                w.stopped_since = None
+            elif w.stopped_since is None:
+                w.stopped_since = now
+            elif now - w.stopped_since > g.timeouts.stopped and g._error is None:
+                g._record_fault(ParallelGroupError(
+                    f"worker rank {w.rank} (pid {w.pid}, {w.device}) is stopped (SIGSTOP?) and stayed stopped for more "
+                    f"than {g.timeouts.stopped:g}s (Timeouts.stopped); it was killed", rank=w.rank,
+                    log_tail=w.log_tail(), log_path=w.log_path,
+                    hint=f"find what stopped it (a debugger, a job-control signal, a container freezer); then {RESTART_HINT}"))
 
     def _check_deadline(self):
         op = self.op

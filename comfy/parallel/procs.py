@@ -52,6 +52,7 @@ class WorkerProcess:
         self.eof = False
         self.exit_handled = False
         self.phase = "spawned"
+        self.stopped_since = None
 
     @classmethod
     def spawn(cls, rank, device, log_path, env, token, limits=DEFAULT_LIMITS):
@@ -117,6 +118,16 @@ class WorkerProcess:
 
     def poll(self):
         return self.proc.poll()
+
+    def is_stopped(self):
+        """True while the process is stopped ('T': SIGSTOP and friends, 't': a tracer); False where
+        /proc cannot tell."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"T", b"t")
 
     def wait(self, timeout):
         try:

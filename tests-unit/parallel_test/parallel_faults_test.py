@@ -76,6 +76,42 @@ def test_worker_killed_during_op(tmp_path):
         assert_restart_works(g)
 
 
+def test_stopped_worker_is_named_before_the_op_deadline(tmp_path):
+    """A SIGSTOPped worker holds its peers in a collective; the group faults naming that rank within
+    Timeouts.stopped, not the op timeout naming a healthy one."""
+    started = threading.Event()
+    with ParallelGroup("stopped", log_dir=str(tmp_path), timeouts=Timeouts(stopped=1.0)) as g:
+        g.start(["cpu", "cpu", "cpu"], spec(), local_state={"started": started})
+        pid = g.worker_pids()[2]
+        stopped_at = []
+
+        def stop_when_started():
+            if started.wait(20):
+                time.sleep(0.2)
+                stopped_at.append(time.monotonic())
+                os.kill(pid, signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_when_started)
+        stopper.start()
+        try:
+            with pytest.raises(ParallelGroupError) as info:
+                g.run("test.wait_for_cancel", meta={"seconds": 60}, timeout=30)
+            raised = time.monotonic()
+            stopper.join()
+            assert 1.0 <= raised - stopped_at[0] < 1.0 + DETECT_BOUND
+            assert info.value.rank == 2
+            assert f"worker rank 2 (pid {pid}, cpu) is stopped (SIGSTOP?)" in str(info.value)
+            assert g.state == "broken"
+            assert wait_until(lambda: pid_gone(pid), DETECT_BOUND) is not None, "the stopped worker must be killed"
+        finally:
+            stopper.join()
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert_restart_works(g)
+
+
 def test_worker_killed_during_startup(tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
