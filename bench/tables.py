@@ -1,20 +1,23 @@
 """Markdown tables (and PNG plots) generated from bench/results/*.json.
 
-    python bench/tables.py                   # rewrite README.md's generated section
-    python bench/tables.py --into rfc/0000-minimax-h3-sequence-parallel.md   # ... and the RFC's
-    python bench/tables.py --plots           # also draw the PNGs into bench/results/ (needs matplotlib)
-    python bench/tables.py --check           # exit 1 when README.md's section is not what this writes now
+    python bench/tables.py            # rewrite the generated sections of README.md and bench/README.md
+    python bench/tables.py --into rfc/0000-minimax-h3-sequence-parallel.md   # ... and the RFC's appendix
+    python bench/tables.py --plots    # also draw the PNGs into bench/results/ (needs matplotlib)
+    python bench/tables.py --check    # exit 1 when a generated section is stale or a results file is not indexed
 
 Only the text between ``<!-- tables:begin -->`` and ``<!-- tables:end -->`` is replaced; everything
-else in a target file stays byte-identical. A target without the file or the markers is skipped
-with a message (README.md under --check: that is a failure). Tables whose JSON file or section is
-missing are replaced by a comment line, never by a crash. The output depends only on the JSON
-files and on which all-to-all pipeline depth the code defaults to (no clocks, no environment), so
---check is reproducible; matplotlib is needed for --plots only.
+else in a target file stays byte-identical. What goes in depends on the file: README.md gets
+README_TABLES, bench/README.md gets BENCH_TABLES (with the results index), any other file (the RFC's
+appendix) APPENDIX_TABLES. A target without the file or the markers is skipped with a message (README.md
+or bench/README.md under --check: that is a failure). A table whose JSON file or section is missing
+becomes a comment line, never a crash. The output depends only on the JSON files and on the code's
+default all-to-all pipeline depth (no clocks, no environment), so --check is reproducible.
+Superseded runs live in bench/results/archive/ and are in no table.
 """
 
 import argparse
 import difflib
+import fnmatch
 import json
 import math
 import os
@@ -28,6 +31,7 @@ from comfy.ldm.minimax_h3.ulysses import DEFAULT_CHUNKS  # noqa: E402  (the defa
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
+BENCH_README = ROOT / "bench" / "README.md"
 BEGIN = "<!-- tables:begin -->"
 END = "<!-- tables:end -->"
 
@@ -35,20 +39,53 @@ END = "<!-- tables:end -->"
 TARGETS = {2: 1.95, 4: 3.85, 8: 7.5}
 
 PLOT_NATIVE = "h3_native_step_time.png"
-PLOT_SCALING = "h3_sp_projected_speedup.png"
+PLOT_SCALING = "h3_sp_emulated_speedup.png"
 
 H3_JSON = "h3_h200.json"
-H3_BASELINE_JSON = "h3_h200_baseline.json"
-H3_OVERLAP_JSON = "h3_h200_overlap.json"
 H3_PROFILE_JSON = "h3_h200_accuracy_profile.json"
 H3_BUDGET_JSON = "h3_h200_budget.json"
 H3_GAPS_JSON = "h3_h200_gaps.json"
-H3_SHARED_JSONS = ("h3_h200_shared_adaln_15k.json", "h3_h200_shared_adaln_15k_run2.json", "h3_h200_shared_adaln_38k.json")
+H3_AB_JSON = "h3_h200_attention_ab.json"
+H3_SEGMENTS_JSON = "h3_h200_fusions_segments.json"
+H3_LAYOUTS_JSON = "h3_attention_layouts.json"
 H3_PREP_JSONS = ("h3_h200_chunk_prep_15k.json", "h3_h200_chunk_prep_38k.json")
-
+H3_CPU_JSON = "h3_cpu_native.json"
 PARALLEL_JSON = "parallel_cpu.json"
 SNAPSHOT_JSON = "snapshot_cpu.json"
 PATCH_CHECK_JSON = "patch_check.json"
+
+# bench/README.md's index: results file (a glob) -> the command that writes it -> the question it answers.
+# --check fails on a JSON in bench/results/ that no entry matches, and on a named file that is missing
+# (a glob that matches nothing is listed as pending). The H200 files were written by bench/h3_gpu.py
+# before it was split by question; the command in each file's machine.command is that run's.
+INDEX = (
+    (H3_JSON, "`h3_native.py --sections native`; its `kernels` section: `h3_kernels.py --sections kernels`",
+     "How long does one H3 step take on one GPU, ours vs upstream, and how far apart are the outputs?"),
+    (H3_PROFILE_JSON, "`h3_accuracy.py`; `h3_native.py --sections profile`; `h3_kernels.py --sections fusions` "
+                      "(its `overlap_emulation` section is superseded by the chunk_prep files)",
+     "How accurate is each attention backend, alone and in a DiT block; where does a step's kernel time go; "
+     "what does the fused RMSNorm + adaLN save?"),
+    (H3_AB_JSON, "`h3_kernels.py --layers 2 --sections attention_ab,graph_profile`",
+     "Does `kernels.attention` cost anything over the bare cuDNN call; which kernels speed up in a CUDA graph?"),
+    (H3_SEGMENTS_JSON, "`h3_kernels.py --layers 2 --sections fusions`",
+     "A modulation segment's rows redone: comfy_kitchen's kernel or torch's, by row count?"),
+    (H3_LAYOUTS_JSON, "`h3_attention_layouts.py`",
+     "Does attention on q|k|v buffer views, and cloning v as upstream does, change its time?"),
+    (H3_PREP_JSONS[0], "`h3_sp_emulation.py --layers 2 --sections timeline,overlap --resolutions 832x480x124 --repeat 50 "
+                       "--chunks \"\" --shared-chunks 2 --bandwidths 360 --no-unfused --upfront-ab --normal-priority-ab --last-rank`",
+     "How would the current code scale with N at 15k tokens (emulated on one GPU), and when does attention start?"),
+    (H3_PREP_JSONS[1], "the same as the line above without `timeline`, `--resolutions 1344x768x124 --repeat 8`",
+     "The same at 38k tokens."),
+    (H3_BUDGET_JSON, "`h3_sp_budget.py --layers 2 --sections budget`; its `kernels` section: `h3_kernels.py --sections kernels`",
+     "Which ops of a rank's block do not shrink with N; which kernels to use for attention, q/k norm + rope, the q|k|v pack?"),
+    (H3_GAPS_JSON, "`h3_sp_budget.py --layers 2 --sections gaps`",
+     "Does the GPU idle between a rank's kernels over a step, and does any op sync the host?"),
+    (H3_CPU_JSON, "`h3_cpu_native.py`", "Is ours as fast as upstream on CPU (small config, one process each)?"),
+    (PARALLEL_JSON, "`parallel_bench.py`", "What do comfy/parallel's start-up and op round trips cost (CPU, gloo)?"),
+    (SNAPSHOT_JSON, "`snapshot_bench.py`", "What do patch snapshots cost for a real-size H3 LoRA, and a worker's merge?"),
+    (PATCH_CHECK_JSON, "`patches/check`", "Does the series apply to the base, pass our tests there, and regress none of ComfyUI's?"),
+    ("lora_sync_*.json", "`lora_sync_bench.py`", "LoRA sync at H3 scale: is a LoRA change in force on every rank within a second?"),
+)
 
 
 class Skip(Exception):
@@ -131,12 +168,16 @@ def f_int(n):
     return f"{int(n):,}" if _num(n) else "—"
 
 
-def table(header, rows, align=None):
-    """A Markdown table; align: one of 'l'/'r' per column (default: first left, rest right)."""
+def table(header, rows, align=None, keep=None):
+    """A Markdown table; align: one of 'l'/'r' per column (default: first left, rest right); keep: the
+    names of the columns to show (default all)."""
     align = align or ["l"] + ["r"] * (len(header) - 1)
+    if keep is not None:
+        cols = [i for i, h in enumerate(header) if h in keep]
+        header, align, rows = [header[i] for i in cols], [align[i] for i in cols], [[row[i] for i in cols] for row in rows]
     sep = ["---" if a == "l" else "--:" for a in align]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
     return lines
 
 
@@ -186,20 +227,48 @@ def _worlds(res):
     return sorted(((int(n), r) for n, r in (res.get("worlds") or {}).items()), key=lambda t: t[0])
 
 
-def _bandwidths(rows):
-    """The bandwidths (GB/s) the projection was made for, from keys projected_speedup_at_<n>GBps."""
-    bws = set()
-    for r in rows:
-        for k in r:
-            m = re.fullmatch(r"projected_speedup_at_(\d+)GBps", k)
-            if m:
-                bws.add(int(m.group(1)))
-    return sorted(bws)
+def _speedup(w, key):
+    return ((w.get("times") or {}).get(key) or {}).get("speedup")
+
+
+def _indexed(name):
+    return any(fnmatch.fnmatch(name, pattern) for pattern, _, _ in INDEX)
+
+
+def index_problems(results=RESULTS):
+    """What --check reports about INDEX: results files it lacks, files it names that are missing."""
+    results = Path(results)
+    found = sorted(p.name for p in results.glob("*.json"))
+    problems = [f"bench/results/{n} is not in bench/tables.py's INDEX: add the command that writes it and its question"
+                for n in found if not _indexed(n)]
+    problems += [f"bench/tables.py's INDEX names {p}, which is not in bench/results/"
+                 for p, _, _ in INDEX if not any(ch in p for ch in "*?[") and p not in found]
+    return problems
 
 
 # ---------------------------------------------------------------- tables
 
-def t_native(results):
+def t_index(results):
+    rows = []
+    for pattern, command, question in INDEX:
+        names = sorted(p.name for p in Path(results).glob(pattern))
+        if names:
+            rows.append([", ".join(f"`{n}`" for n in names), command, question])
+        else:
+            rows.append([f"`{pattern}`", "pending", question])
+    out = ["**Results index.** Every JSON in `bench/results/`, the command that writes it (scripts in `bench/`; "
+           "the H3 GPU scripts need `COMFYUI_DIR` and a CUDA GPU) and the question it answers.", ""]
+    out += table(["results file", "command", "question"], rows, ["l", "l", "l"])
+    out += ["", "The H200 files were recorded by `bench/h3_gpu.py` before it was split into the `h3_*.py` scripts, "
+                "whose measuring code is the same; each file's `machine.command` is the command of its run."]
+    return out
+
+
+NATIVE_BRIEF = ("resolution (WxHxF)", "tokens", "n", "upstream s", "ours s (cuDNN-first)", "ours / upstream",
+                "peak GiB (upstream / ours)", "rel diff upstream run-to-run", "rel diff ours cuDNN-first vs upstream")
+
+
+def t_native(results, brief=False):
     d, native = _section(results, H3_JSON, "native")
     model = d.get("model") or {}
     extra = ""
@@ -223,95 +292,13 @@ def t_native(results):
                      f_ratio(ratio), f_ratio(ratio_flash), peaks,
                      f_sci(r.get("rel_diff_upstream_run_to_run")), f_sci(r.get("rel_diff_ours_flash_vs_upstream")),
                      f_sci(r.get("rel_diff_ours_cudnn_vs_upstream"))])
-    out += table(header, rows)
+    out += table(header, rows, keep=NATIVE_BRIEF if brief else None)
     out += ["", "Times: median of n timed forwards; upstream and ours (cuDNN-first) are the better of two interleaved "
-                "repeats, as the ratios use. Ours runs cuDNN-first attention and the fused RMSNorm + adaLN kernel; the two "
-                "ours columns beside it each undo one of them. Rel diff: max |a - b| / max |b| over the video and audio outputs "
-                "(upstream is not run-to-run deterministic on CUDA, first column of those)."]
+                "repeats, as the ratios use. Ours runs cuDNN-first attention and the fused RMSNorm + adaLN kernel"
+                + ("" if brief else "; the two ours columns beside it each undo one of them")
+                + ". Rel diff: max |a - b| / max |b| over the video and audio outputs (upstream is not run-to-run "
+                "deterministic on CUDA)."]
     return out
-
-
-def t_native_baseline(results):
-    d, native = _section(results, H3_BASELINE_JSON, "native")
-    out = [caption("Before cuDNN-first: the same forward when ours used upstream's kernels (earlier run).",
-                   H3_BASELINE_JSON, gpu_machine(d)), ""]
-    header = ["run", "resolution (WxHxF)", "tokens", "n", "upstream s", "ours s", "ours / upstream",
-              "peak GiB (upstream / ours)", "max abs diff ours vs upstream"]
-    rows = []
-    for res, r in native.items():
-        up = best_median(r, "upstream")
-        ours = best_median(r, "ours")
-        peaks = f"{fmt(r['upstream'].get('peak_gib'), 2)} / {fmt(r['ours'].get('peak_gib'), 2)}"
-        rows.append(["before cuDNN-first", res, f_int(r.get("tokens")), r["upstream"].get("n", "—"), f_s(up), f_s(ours),
-                     f_ratio(r.get("ratio_ours_over_upstream", ours / up)), peaks,
-                     fmt(r.get("max_abs_diff_ours_vs_upstream"), 3)])
-    out += table(header, rows, ["l", "l"] + ["r"] * 7)
-    return out
-
-
-def _overlap(results):
-    return _section(results, H3_OVERLAP_JSON, "overlap_emulation", "resolutions")
-
-
-def _speedup(w, key):
-    return ((w.get("times") or {}).get(key) or {}).get("speedup")
-
-
-def _overlap_columns(resolutions):
-    """(bandwidths in GB/s, chunk counts) present in the JSON, from keys chunks<c>_bw<b>."""
-    bws, chunks = set(), set()
-    for r in resolutions.values():
-        for _, w in _worlds(r):
-            for k in w.get("times") or {}:
-                m = re.fullmatch(r"chunks(\d+)_bw(\d+)", k)
-                if m:
-                    chunks.add(int(m.group(1)))
-                    bws.add(int(m.group(2)))
-    return sorted(bws, reverse=True), sorted(chunks)
-
-
-def t_scaling(results):
-    d, sec = _overlap(results)
-    resolutions = sec["resolutions"]
-    bws, chunks = _overlap_columns(resolutions)
-    out = [caption("Sequence-parallel scaling on one GPU: one DiT block per rank, all-to-alls emulated on a side stream.",
-                   H3_OVERLAP_JSON, gpu_machine(d)), ""]
-    header = ["resolution (WxHxF)", "tokens", "N", "rows / rank", "all-to-all MiB / rank / block", "no transfers"]
-    header += [f"@ {bw} GB/s, {c} chunk{'s' if c > 1 else ''}{' (default)' if c == DEFAULT_CHUNKS else ''}"
-               for bw in bws for c in chunks]
-    header += ["issue target", f"met with the default ({DEFAULT_CHUNKS} chunks) at", "host ms / block (default, first bandwidth)"]
-    rows = []
-    for res, r in resolutions.items():
-        for n, w in _worlds(r):
-            if n == 1:
-                continue
-            target = TARGETS.get(n)
-            met = "—"
-            if target is not None:
-                ok = [f"{bw} GB/s" for bw in bws if _num(_speedup(w, f"chunks{DEFAULT_CHUNKS}_bw{bw}"))
-                      and _speedup(w, f"chunks{DEFAULT_CHUNKS}_bw{bw}") >= target]
-                met = ", ".join(ok) if ok else "no"
-            a2a = w.get("a2a_bytes_per_block")
-            default = (w.get("times") or {}).get(f"chunks{DEFAULT_CHUNKS}_bw{bws[0]}") or {} if bws else {}
-            rows.append([res, f_int(r.get("tokens")), n, f_int(w.get("rows_per_rank")), fmt(a2a / 2**20, 1) if _num(a2a) else "—",
-                         f_speedup(_speedup(w, "chunks1_no_comm"))]
-                        + [f_speedup(_speedup(w, f"chunks{c}_bw{bw}")) for bw in bws for c in chunks]
-                        + [f_speedup(target) if target else "—", met, f_ms_from_s(default.get("host_s"))])
-    out += table(header, rows)
-    out += ["", "Speed-up: the native block (N = 1, all rows, 56 heads) / the per-rank block at N. No transfers: the sharded "
-                "block with the all-to-alls left out (the compute ceiling: what stays replicated per rank keeps it under N). This "
-                "run predates the shared adaLN projections and the 8-byte-word q|k|v pack (next table). Chunks: "
-                "UlyssesAttention's pipeline depth. "
-                f"Method (from the JSON): {sec.get('note', '?')}." + (f" Provenance: {sec['source']}." if sec.get("source") else "")]
-    return out
-
-
-def _repeat(d, sec):
-    """Blocks back to back per timing (older JSONs say it only in their command line; default 8)."""
-    if sec.get("repeat"):
-        return sec["repeat"]
-    m = re.search(r"--repeat (\d+)", (d.get("machine") or {}).get("command", ""))
-    return int(m.group(1)) if m else 8
 
 
 def _runs(results, names):
@@ -333,82 +320,94 @@ def _shared_worlds(r, c):
             yield n, w, bw[0]
 
 
-def t_scaling_shared(results):
-    found = _runs(results, H3_SHARED_JSONS)
-    c = DEFAULT_CHUNKS
-    header = ["resolution (WxHxF)", "tokens", "N", "run", "blocks per timing", "per-rank adaLN, transfers", "shared adaLN, transfers",
-              "shared, no transfers", "shared, no transfers, both in CUDA graphs", "issue target", "met"]
-    rows, natives, bws = [], [], set()
-    for name, d, sec in found:
-        for res, r in sec["resolutions"].items():
-            one = (r.get("worlds") or {}).get("1") or {}
-            native_graph = one.get("graph_block_s")
-            if _num(native_graph):
-                natives.append(f"{res}: eager {f_ms_from_s(one.get('block_s'))} ms, CUDA graph {f_ms_from_s(native_graph)} ms")
-            for n, w, bw in _shared_worlds(r, c):
-                times = w.get("times") or {}
-                bws.add(bw)
-                shared = _speedup(w, f"chunks{c}_bw{bw}_shared_adaln")
-                target = TARGETS.get(n)
-                graph = ((times.get(f"chunks{c}_no_comm_shared_adaln_graph") or {}).get("block_s"))
-                graph_speedup = native_graph / graph if _num(native_graph) and _num(graph) and graph else None
-                run = name[len("h3_h200_shared_adaln_"):-len(".json")]
-                rows.append([res, f_int(r.get("tokens")), n, f"`{run}`", _repeat(d, sec), f_speedup(_speedup(w, f"chunks{c}_bw{bw}")),
-                             f_speedup(shared), f_speedup(_speedup(w, f"chunks{c}_no_comm_shared_adaln")),
-                             f_speedup(graph_speedup), f_speedup(target) if target else "—",
-                             ("yes" if shared >= target else "no") if target and _num(shared) else "—"])
-    out = [caption(f"Sequence-parallel scaling with the adaLN projections shared across ranks ({c} chunks, transfers at "
-                   f"{', '.join(str(b) for b in sorted(bws))} GB/s).", ", ".join(n for n, _, _ in found), gpu_machine(found[0][1])), ""]
-    out += table(header, rows)
-    out += ["", "Speed-up over the native block (N = 1), one DiT block per rank on one GPU, all-to-alls emulated as in the "
-                "scaling table above. Per-rank adaLN: every rank projects every block's modulation (before); shared adaLN: "
-                "each rank projects one block in N and an all-gather shares them (`UlyssesAttention.adaln_projections`). "
-                "Blocks per timing 50 = one H3 step back to back, so the host's lead and per-kernel launch gaps are as in a "
-                "real step. These runs used the bench's earlier stand-in (its own copy of the chunk schedule, transfers on a "
-                "normal-priority stream); the next table measures the current code. Both in CUDA graphs: the native block's graph replay over the rank block's (each block captured "
-                "once, replayed back to back); graphs speed up the native block more than a rank's, so capture would not "
-                "close the scaling gap."
-                + (" Native block, eager vs CUDA graph: " + "; ".join(natives) + "." if natives else "")]
-    return out
+SCALING_BRIEF = ("resolution (WxHxF)", "tokens", "N", "emulated, no transfers", "emulated, rank 0", "emulated, last rank",
+                 "issue target (N GPUs)")
 
 
-def t_scaling_prep(results):
+def t_scaling(results, brief=False):
     found = _runs(results, H3_PREP_JSONS)
     c = DEFAULT_CHUNKS
-    header = ["resolution (WxHxF)", "tokens", "N", "blocks per timing", "no transfers", "current code: per-chunk q/k prep, "
-              "high-priority transfers", "q/k normed up front, high priority", "per-chunk prep, normal priority",
-              "last rank (no text rows), current code", "issue target", "met (rank 0, current code)"]
+    header = ["resolution (WxHxF)", "tokens", "N", "blocks per timing", "emulated, no transfers", "emulated, rank 0",
+              "emulated, last rank", "emulated, rank 0, q/k normed up front", "emulated, rank 0, normal-priority transfers",
+              "issue target (N GPUs)"]
     rows, bws = [], set()
     for name, d, sec in found:
         for res, r in sec["resolutions"].items():
             for n, w, bw in _shared_worlds(r, c):
                 bws.add(bw)
                 key = f"chunks{c}_bw{bw}_shared_adaln"
-                current, target = _speedup(w, key), TARGETS.get(n)
-                rows.append([res, f_int(r.get("tokens")), n, _repeat(d, sec), f_speedup(_speedup(w, f"chunks{c}_no_comm_shared_adaln")),
-                             f_speedup(current), f_speedup(_speedup(w, key + "_upfront")),
-                             f_speedup(_speedup(w, key + "_normal_priority")), f_speedup(_speedup(w, key + "_last_rank")),
-                             f_speedup(target) if target else "—",
-                             ("yes" if current >= target else "no") if target and _num(current) else "—"])
-    out = [caption(f"Sequence-parallel scaling, current code: each chunk's q/k normed just before its all-to-all, transfers on "
-                   f"high-priority streams ({c} chunks, {', '.join(str(b) for b in sorted(bws))} GB/s, shared adaLN).",
-                   ", ".join(n for n, _, _ in found), gpu_machine(found[0][1])), ""]
-    out += table(header, rows)
+                target = TARGETS.get(n)
+                rows.append([res, f_int(r.get("tokens")), n, sec.get("repeat", "—"),
+                             f_speedup(_speedup(w, f"chunks{c}_no_comm_shared_adaln")), f_speedup(_speedup(w, key)),
+                             f_speedup(_speedup(w, key + "_last_rank")), f_speedup(_speedup(w, key + "_upfront")),
+                             f_speedup(_speedup(w, key + "_normal_priority")), f_speedup(target) if target else "—"])
+    bw_text = ", ".join(str(b) for b in sorted(bws))
+    out = [caption(f"Sequence-parallel scaling of the current code, EMULATED on one GPU: speed-up of a rank's DiT block "
+                   f"over the native block, all-to-alls replaced by stand-ins at {bw_text} GB/s ({c} chunks). No multi-GPU "
+                   "measurement exists yet.", ", ".join(n for n, _, _ in found), gpu_machine(found[0][1])), ""]
+    out += table(header, rows, keep=SCALING_BRIEF if brief else None)
+    if brief:
+        return out + ["", "Emulated: one GPU runs one rank's block (S/N rows, ceil(56/N) heads) in the real `UlyssesAttention` "
+                          "with only its all-to-alls replaced by a side-stream copy of the same bytes, paced to the bandwidth; "
+                          "NCCL's own use of the SMs is not modelled. No transfers: the compute ceiling. Last rank: no text "
+                          "rows. Issue target: what the issue asks of N real GPUs, for reference only: an emulated speed-up is "
+                          "not a measurement on N GPUs. Method and the other columns: `bench/README.md`."]
     notes = []
     timeline = (found[0][1].get("timeline") or {}).get("runs") or {}
     if timeline:
         notes.append("One block's kernel timeline (`timeline` section of " + found[0][0] + "), when rank 0's first attention "
                      "kernel starts: " + "; ".join(f"{k.replace('_', ' ')} {fmt(v.get('first_attention_start_us'), 0)} us"
                                                    for k, v in timeline.items() if _num(v.get("first_attention_start_us"))) + ".")
-    out += ["", "Speed-up over the native block (N = 1), the real `UlyssesAttention` per rank on one GPU with only its "
-                "all-to-alls emulated (random data in every receive buffer: all-zero inputs made attention ~5% faster in a "
-                "first run). All columns of a row come from one interleaved run. Up front: every head's q/k normed before "
-                "the first chunk is packed (the previous schedule); normal priority: the emulated transfers on a "
-                "normal-priority stream, where the next chunk's kernels take the SMs first and delay the transfer. Last "
-                "rank: floor(S/N) rows and one modulation segment; rank 0 also holds the 512 text rows, whose modulation "
-                "is redone per block (kitchen's small-row kernel) and costs it the difference; every rank waits for the "
-                "slowest at each all-to-all, so rank 0's number is the step's. "
+    out += ["", "Speed-up: the native block (N = 1, all rows, 56 heads) / rank r's block at N, each timed over the given number "
+                "of blocks back to back (50 = one H3 step); all columns of a row come from one interleaved run. The real "
+                "`UlyssesAttention` runs with only its all-to-alls emulated, receive buffers filled with random data "
+                "(attention's speed depends on the data). No transfers: the same block without the all-to-alls, the compute "
+                "ceiling. Rank 0 also holds the 512 text rows, whose modulation is redone per block; the last rank holds "
+                "floor(S/N) rows and one modulation segment; every rank waits for the slowest at each all-to-all, so rank "
+                "0's number is the step's. A/B columns: every head's q/k normed before the first chunk is packed instead "
+                "of per chunk; the emulated transfers on a normal-priority stream, where the next chunk's kernels take the "
+                "SMs first. Issue target: what the issue asks of N real GPUs, for reference only: an emulated speed-up is not "
+                "a measurement on N GPUs. "
                 + " ".join(notes) + f" Method (from the JSON): {found[0][2].get('note', '?')}."]
+    return out
+
+
+def t_attention_ab(results):
+    d, ab = _section(results, H3_AB_JSON, "attention_ab", "results")
+    r = ab["results"]
+    out = [caption(f"Attention call, S = {f_int(ab.get('seq'))}, 56 x 128 heads, bf16: `minimax_h3.kernels.attention` vs the bare "
+                   f"cuDNN SDPA call on the same strided views, interleaved ({ab.get('rounds', '?')} rounds), ms.",
+                   H3_AB_JSON, gpu_machine(d)), ""]
+    out += table(["call", "ms"], [["`kernels.attention`", f_ms_from_s(r.get("kernels_attention"))],
+                                  ["bare cuDNN SDPA", f_ms_from_s(r.get("sdpa_cudnn_bare"))],
+                                  ["bare cuDNN SDPA + output reshape", f_ms_from_s(r.get("sdpa_cudnn_bare_reshaped"))]])
+    graphs = ((d.get("graph_profile") or {}).get("per_block_kernel_s")) or {}
+    totals = [f"{k.replace('_', ' ')} {f_ms_from_s(sum(v.values()))} ms" for k, v in graphs.items() if v]
+    if totals:
+        out += ["", "Kernel time of the native block (profiler, per block), eager vs replayed from a CUDA graph: "
+                    + "; ".join(totals) + "."]
+    layouts = load(results, H3_LAYOUTS_JSON)
+    if layouts and layouts.get("results"):
+        rows = [[f"`{k}`", fmt(v.get("median_ms"), 3), fmt(v.get("min_ms"), 3)]
+                for k, v in layouts["results"].items() if isinstance(v, dict) and "median_ms" in v]
+        out += ["", caption(f"Attention on q|k|v buffer views vs v cloned (as upstream's Attention does), S = "
+                            f"{f_int(layouts.get('seq'))}, ms.", H3_LAYOUTS_JSON, f"{layouts.get('gpu', '?')}, torch "
+                            f"{layouts.get('torch', '?')}"), ""]
+        out += table(["variant", "median ms", "min ms"], rows)
+    return out
+
+
+def t_segments(results):
+    d, f = _section(results, H3_SEGMENTS_JSON, "fusions", "results")
+    r = f["results"]
+    counts = sorted({int(m.group(1)) for k in r for m in [re.fullmatch(r"segment_kitchen_rms_adaln_(\d+)_rows_s", k)] if m})
+    if not counts:
+        raise Skip(f"{H3_SEGMENTS_JSON} has no segment_* results")
+    out = [caption(f"One modulation segment's rows normed and modulated again (hidden {f.get('hidden', '?')}, bf16): "
+                   "GPU kernel time, microseconds.", H3_SEGMENTS_JSON, gpu_machine(d)), ""]
+    rows = [[f_int(n), fmt(r.get(f"segment_kitchen_rms_adaln_{n}_rows_s", math.nan) * 1e6, 1),
+             fmt(r.get(f"segment_torch_rms_norm_addcmul_{n}_rows_s", math.nan) * 1e6, 1)] for n in counts]
+    out += table(["rows", "comfy_kitchen rms_adaln + copy", "torch rms_norm + addcmul"], rows)
     return out
 
 
@@ -698,7 +697,7 @@ def t_cpu_native(results):
     cfg = d.get("config", {})
     out = [caption(f"H3 forward on CPU, small config (hidden {cfg.get('hidden_size')}, {cfg.get('num_layers')} blocks), "
                    "ours vs upstream, each run in its own process, interleaved.", name,
-                   f"{m.get('cpus', '?')} CPU cores, Python {m.get('python', '?')}, load average {m.get('load_avg', ['?'])[0]}"), ""]
+                   f"{m.get('cpus', '?')} CPU cores, Python {m.get('python', '?')}, load average {fmt(m.get('load_avg', [None])[0], 2)}"), ""]
     rows = [[i + 1, r["impl"], f_s(r["median_s"]), f_s(r["min_s"]), r["n"], fmt(r["peak_rss_mib"], 1)] for i, r in enumerate(d["runs"])]
     out += table(["run", "implementation", "median s", "min s", "n", "peak RSS MiB"], rows)
     out += ["", f"Outputs identical: {d.get('same_output')}; ratio of the best medians ours / upstream "
@@ -706,48 +705,59 @@ def t_cpu_native(results):
     return out
 
 
-SECTIONS = (
-    ("H3 native forward", t_native),
-    ("H3 native forward on CPU", t_cpu_native),
-    ("H3 accuracy and step profile", t_accuracy_profile),
-    ("H3 native forward before cuDNN-first", t_native_baseline),
-    ("sequence-parallel scaling", t_scaling),
-    ("sequence-parallel scaling, shared adaLN", t_scaling_shared),
-    ("sequence-parallel scaling, per-chunk prep", t_scaling_prep),
-    ("per-rank block budget", t_budget),
-    ("RMSNorm + adaLN fusion", t_fusions),
-    ("kernel choices", t_kernels),
-    ("comfy/parallel costs", t_parallel),
-    ("patch snapshot costs", t_snapshot),
-    ("patch check", t_patch_check),
-)
+SECTIONS = {  # name: (title in a skipped-table comment, function of the results folder)
+    "index": ("results index", t_index),
+    "native": ("H3 native forward", t_native),
+    "native_brief": ("H3 native forward", lambda results: t_native(results, brief=True)),
+    "cpu_native": ("H3 native forward on CPU", t_cpu_native),
+    "accuracy": ("H3 accuracy and step profile", t_accuracy_profile),
+    "scaling": ("sequence-parallel scaling", t_scaling),
+    "scaling_brief": ("sequence-parallel scaling", lambda results: t_scaling(results, brief=True)),
+    "budget": ("per-rank block budget", t_budget),
+    "fusions": ("RMSNorm + adaLN fusion", t_fusions),
+    "segments": ("modulation segment redo", t_segments),
+    "kernels": ("kernel choices", t_kernels),
+    "attention_ab": ("attention call A/B", t_attention_ab),
+    "parallel": ("comfy/parallel costs", t_parallel),
+    "snapshot": ("patch snapshot costs", t_snapshot),
+    "patch_check": ("patch check", t_patch_check),
+}
+README_TABLES = ("native_brief", "scaling_brief")
+APPENDIX_TABLES = ("native", "cpu_native", "accuracy", "scaling", "budget", "parallel", "snapshot", "patch_check")
+BENCH_TABLES = ("index", "native", "cpu_native", "accuracy", "scaling", "budget", "fusions", "segments", "kernels",
+                "attention_ab", "parallel", "snapshot", "patch_check")
+
+
+def tables_for(path):
+    """The table names a target file gets."""
+    path = Path(path).resolve()
+    if path == README.resolve():
+        return README_TABLES
+    if path == BENCH_README.resolve():
+        return BENCH_TABLES
+    return APPENDIX_TABLES
 
 
 def plot_links(results, target_dir):
     """Markdown images for the plots whose data exists, relative to the file they go into."""
     links = []
-    try:
-        d = load(results, H3_JSON)
-    except Skip:
-        d = None
-    if d and d.get("native"):
-        links.append(("H3 native forward, ours vs upstream", PLOT_NATIVE))
-    try:
-        _overlap(results)
-        links.append(("sequence-parallel speed-up vs N, all-to-alls emulated", PLOT_SCALING))
-    except Skip:
-        pass
-    out = []
-    for alt, name in links:
+    for alt, name, have in (("H3 native forward, ours vs upstream", PLOT_NATIVE, lambda: _section(results, H3_JSON, "native")),
+                            ("sequence-parallel speed-up vs N, emulated on one GPU", PLOT_SCALING,
+                             lambda: _runs(results, H3_PREP_JSONS))):
+        try:
+            have()
+        except Skip:
+            continue
         rel = os.path.relpath(Path(results) / name, target_dir).replace(os.sep, "/")
-        out.append(f"![{alt}]({rel})")
-    return out
+        links.append(f"![{alt}]({rel})")
+    return links
 
 
-def generate(results=RESULTS, target_dir=ROOT):
+def generate(results=RESULTS, target_dir=ROOT, names=APPENDIX_TABLES):
     """The text that goes between the markers of a file in target_dir (starts and ends with a newline)."""
     lines = ["<!-- generated by bench/tables.py from bench/results/*.json: edit those, then run the script -->"]
-    for title, fn in SECTIONS:
+    for name in names:
+        title, fn = SECTIONS[name]
         try:
             part = fn(results)
         except Skip as e:
@@ -756,9 +766,10 @@ def generate(results=RESULTS, target_dir=ROOT):
             part = [f"<!-- {title}: table skipped (unexpected JSON structure: {type(e).__name__} {e}) -->"]
         if part:
             lines += [""] + part
-    links = plot_links(results, target_dir)
-    if links:
-        lines += ["", "Plots (`python bench/tables.py --plots`): " + " ".join(links)]
+    if names == BENCH_TABLES:
+        links = plot_links(results, target_dir)
+        if links:
+            lines += ["", "Plots (`python bench/tables.py --plots`): " + " ".join(links)]
     return "\n" + "\n".join(lines) + "\n"
 
 
@@ -793,7 +804,7 @@ def write_into(path, results, check=False):
         print(f"{path}: no such file, skipped")
         return "skipped"
     text = read_text(path)
-    block = generate(results, path.resolve().parent)
+    block = generate(results, path.resolve().parent, tables_for(path))
     new = splice(text, block)
     if new is None:
         print(f"{path}: no {BEGIN} ... {END} markers, skipped")
@@ -823,37 +834,22 @@ def make_plots(results=RESULTS):
     except ImportError:
         print("matplotlib is not installed: plots skipped (pip install matplotlib; it is not a project dependency)")
         return []
-    results = Path(results)
-    written = []
+    results, written, meta = Path(results), [], {"Software": None}
     try:
-        d = load(results, H3_JSON)
+        d, native = _section(results, H3_JSON, "native")
     except Skip as e:
-        print(f"plots skipped: {e}")
-        return []
-    if not d:
-        print(f"plots skipped: {H3_JSON} not found")
-        return []
-    machine = gpu_machine(d).split(" (run started")[0]
-    meta = {"Software": None}
-
-    native = d.get("native")
-    if native:
-        try:
-            base = load(results, H3_BASELINE_JSON)
-        except Skip:
-            base = None
+        print(f"native plot skipped: {e}")
+    else:
+        machine = gpu_machine(d).split(" (run started")[0]
         res_names = list(native)
-        series = [("upstream", [best_median(native[r], "upstream") for r in res_names], "#7f7f7f", None),
-                  ("ours, flash-first", [native[r]["ours_flash"]["median_s"] for r in res_names], "#9ecae1", None),
-                  ("ours, cuDNN-first", [best_median(native[r], "ours") for r in res_names], "#1f77b4", None)]
-        if base and base.get("native") and all(r in base["native"] for r in res_names):
-            series.insert(0, ("upstream, earlier run (before cuDNN-first)",
-                              [best_median(base["native"][r], "upstream") for r in res_names], "#d9d9d9", "//"))
+        series = [("upstream", [best_median(native[r], "upstream") for r in res_names], "#7f7f7f"),
+                  ("ours, flash-first", [native[r]["ours_flash"]["median_s"] for r in res_names], "#9ecae1"),
+                  ("ours, cuDNN-first", [best_median(native[r], "ours") for r in res_names], "#1f77b4")]
         fig, ax = plt.subplots(figsize=(9, 5.2))
         width = 0.8 / len(series)
-        for i, (label, vals, color, hatch) in enumerate(series):
+        for i, (label, vals, color) in enumerate(series):
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(res_names))]
-            bars = ax.bar(xs, vals, width, label=label, color=color, hatch=hatch, edgecolor="#404040", linewidth=0.6)
+            bars = ax.bar(xs, vals, width, label=label, color=color, edgecolor="#404040", linewidth=0.6)
             ax.bar_label(bars, labels=[f"{v:.3f}" for v in vals], fontsize=8, padding=2)
         ax.set_xticks(range(len(res_names)))
         ax.set_xticklabels([f"{r}\n{native[r]['tokens']:,} tokens" for r in res_names])
@@ -866,84 +862,55 @@ def make_plots(results=RESULTS):
         ax.set_axisbelow(True)
         ax.margins(y=0.12)
         fig.tight_layout()
-        path = results / PLOT_NATIVE
-        fig.savefig(path, dpi=120, metadata=meta)
+        written.append(results / PLOT_NATIVE)
+        fig.savefig(written[-1], dpi=120, metadata=meta)
         plt.close(fig)
-        written.append(path)
-
     try:
-        _, sec = _overlap(results)
-        resolutions = sec["resolutions"]
+        found = _runs(results, H3_PREP_JSONS)
     except Skip as e:
         print(f"scaling plot skipped: {e}")
-        resolutions = None
-    if resolutions:
-        names = list(resolutions)
-        bws, _ = _overlap_columns(resolutions)
+        found = []
+    panels = [(res, r, sec.get("repeat")) for _, _, sec in found for res, r in sec["resolutions"].items()]
+    if panels:
         # top row: speed-up (log-log, so the ideal is a straight line); bottom row: speed-up / N, where the gaps show
-        fig, axes = plt.subplots(2, len(names), figsize=(5.4 * len(names), 8.4), sharex=True, sharey="row", squeeze=False,
+        fig, axes = plt.subplots(2, len(panels), figsize=(5.4 * len(panels), 8.4), sharex=True, sharey="row", squeeze=False,
                                  gridspec_kw={"height_ratios": [3, 2]})
-        colors = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b")
-        current_blocks = {}
-        for col, res in enumerate(names):
-            top, bottom = axes[0][col], axes[1][col]
-            worlds = [(n, w) for n, w in _worlds(resolutions[res]) if n > 1]
-            ns = [1] + [n for n, _ in worlds]
-            curves = [("no transfers (compute ceiling)", [1.0] + [_speedup(w, "chunks1_no_comm") for _, w in worlds], "#2ca02c", "o", ":")]
-            for bw, c in zip(bws, colors):
-                curves.append((f"{bw} GB/s, no pipelining", [1.0] + [_speedup(w, f"chunks1_bw{bw}") for _, w in worlds], c, "x", "--"))
-                curves.append((f"{bw} GB/s, {DEFAULT_CHUNKS} chunks (default)",
-                               [1.0] + [_speedup(w, f"chunks{DEFAULT_CHUNKS}_bw{bw}") for _, w in worlds], c, "s", "-"))
-            # the current code (shared adaLN projections, 8-byte-word pack), from its own run when there is one
-            for name in H3_PREP_JSONS + H3_SHARED_JSONS:
-                sd = load(results, name)
-                sr = ((sd or {}).get("overlap_emulation") or {}).get("resolutions", {}).get(res)
-                if not sr or res in current_blocks:  # the first run of a resolution (the table lists every run)
-                    continue
-                sw = dict(_worlds(sr))
-                keys = sorted({k for _, w in sw.items() for k in (w.get("times") or {})
-                               if re.fullmatch(rf"chunks{DEFAULT_CHUNKS}_bw\d+_shared_adaln", k)})
-                blocks = _repeat(sd, sd["overlap_emulation"])
-                for key in keys[:1]:
-                    bw = key.split("_bw")[1].split("_")[0]
-                    what = "per-chunk q/k prep, shared adaLN" if name in H3_PREP_JSONS else "shared adaLN"
-                    curves.append((f"current code ({what}), {bw} GB/s, {DEFAULT_CHUNKS} chunks",
-                                   [1.0] + [_speedup(sw.get(n, {}), key) for n in ns[1:]], "#000000", "D", "-"))
-                    current_blocks[res] = blocks
+        c = DEFAULT_CHUNKS
+        for col, (res, r, repeat) in enumerate(panels):
+            worlds = [(n, w, bw) for n, w, bw in _shared_worlds(r, c)]
+            ns = [1] + [n for n, _, _ in worlds]
+            bw = worlds[0][2] if worlds else "?"
+            curves = [("no transfers (compute ceiling)", f"chunks{c}_no_comm_shared_adaln", "#2ca02c", "o", ":"),
+                      (f"rank 0, {bw} GB/s", f"chunks{c}_bw{bw}_shared_adaln", "#000000", "D", "-"),
+                      (f"last rank, {bw} GB/s", f"chunks{c}_bw{bw}_shared_adaln_last_rank", "#1f77b4", "s", "--")]
             tn = [n for n in ns if n in TARGETS]
-            for ax, scale in ((top, lambda n, v: v), (bottom, lambda n, v: 100 * v / n)):
+            for ax, scale in ((axes[0][col], lambda n, v: v), (axes[1][col], lambda n, v: 100 * v / n)):
                 ax.plot(ns, [scale(n, n) for n in ns], color="#999999", linestyle="--", label="ideal (N)")
-                for label, vals, color, marker, ls in curves:
-                    pts = [(n, v) for n, v in zip(ns, vals) if _num(v)]
+                for label, key, color, marker, ls in curves:
+                    pts = [(1, 1.0)] + [(n, _speedup(w, key)) for n, w, _ in worlds if _num(_speedup(w, key))]
                     ax.plot([n for n, _ in pts], [scale(n, v) for n, v in pts], marker=marker, linestyle=ls, color=color, label=label)
-                ax.scatter(tn, [scale(n, TARGETS[n]) for n in tn], marker="*", s=170, color="#d62728", zorder=5, label="issue target")
+                ax.scatter(tn, [scale(n, TARGETS[n]) for n in tn], marker="*", s=170, color="#d62728", zorder=5,
+                           label="issue target (N real GPUs)")
                 ax.grid(alpha=0.3)
-            for n in tn:
-                top.annotate(f"target {TARGETS[n]}", (n, TARGETS[n]), textcoords="offset points", xytext=(-62, 4),
-                             fontsize=8, color="#d62728")
+            top, bottom = axes[0][col], axes[1][col]
             top.set_xscale("log", base=2)
             top.set_yscale("log", base=2)
             top.set_yticks(ns)
             top.set_yticklabels([str(n) for n in ns])
-            top.set_title(f"{res} ({resolutions[res].get('tokens', 0):,} tokens)"
-                          + (f"; current code timed over {current_blocks[res]} blocks" if res in current_blocks else ""), fontsize=10)
+            top.set_title(f"{res} ({r.get('tokens', 0):,} tokens), {repeat} blocks per timing", fontsize=10)
             bottom.set_xticks(ns)
             bottom.set_xticklabels([str(n) for n in ns])
-            bottom.set_xlabel("GPUs N (sequence-parallel world size)")
-        axes[0][0].set_ylabel("speed-up over one GPU (one DiT block)")
-        axes[1][0].set_ylabel("parallel efficiency: speed-up / N (%)")
-        lowest = min(100 * t["speedup"] / n for r in resolutions.values() for n, w in _worlds(r) if n > 1
-                     for t in (w.get("times") or {}).values() if _num(t.get("speedup")))
-        axes[1][0].set_ylim(max(0, min(lowest, 100 * min(t / n for n, t in TARGETS.items())) - 4), 101)
+            bottom.set_xlabel("N (sequence-parallel world size, emulated)")
+            bottom.set_ylim(85, 101)
+        axes[0][0].set_ylabel("emulated speed-up over one GPU (one DiT block)")
+        axes[1][0].set_ylabel("speed-up / N (%)")
         axes[0][-1].legend(fontsize=8, loc="upper left")
-        fig.suptitle("H3 sequence parallel: speed-up vs N, one block per rank on one GPU, all-to-alls emulated on a side stream\n"
-                     "coloured: earlier run (every rank projects every block's adaLN); black: current code\n"
-                     f"{machine}", fontsize=11)
+        fig.suptitle("H3 sequence parallel, current code, EMULATED on one GPU (all-to-alls replaced by side-stream stand-ins);\n"
+                     f"no multi-GPU measurement exists yet. {gpu_machine(found[0][1]).split(' (run started')[0]}", fontsize=11)
         fig.tight_layout()
-        path = results / PLOT_SCALING
-        fig.savefig(path, dpi=120, metadata=meta)
+        written.append(results / PLOT_SCALING)
+        fig.savefig(written[-1], dpi=120, metadata=meta)
         plt.close(fig)
-        written.append(path)
     for p in written:
         print(f"{p}: plot written")
     return written
@@ -954,32 +921,36 @@ def make_plots(results=RESULTS):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(RESULTS), help="folder with the JSON results (default bench/results)")
-    ap.add_argument("--readme", default=str(README), help="the main target (default README.md)")
     ap.add_argument("--into", action="append", default=[], metavar="PATH",
-                    help="another Markdown file with the markers (repeatable); skipped when it or its markers are absent")
-    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when README.md's section is out of date")
+                    help="another Markdown file with the markers, e.g. the RFC (repeatable); skipped when it or its markers are absent")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a generated section is out of date "
+                                                         "or INDEX does not match bench/results/")
     ap.add_argument("--plots", action="store_true", help="also draw the PNG plots into the results folder (matplotlib)")
-    ap.add_argument("--print", dest="print_only", action="store_true", help="print the generated section and exit")
+    ap.add_argument("--print", dest="print_only", action="store_true", help="print bench/README.md's generated section and exit")
     args = ap.parse_args(argv)
 
     if args.print_only:
-        print(generate(args.results, Path(args.readme).resolve().parent), end="")
+        print(generate(args.results, BENCH_README.parent, BENCH_TABLES), end="")
         return 0
     if args.check:
-        status = write_into(args.readme, args.results, check=True)
-        for extra in args.into:
-            if write_into(extra, args.results, check=True) == "stale":
-                status = "stale"
+        ok = True
+        for path in [README, BENCH_README] + [Path(p) for p in args.into]:
+            status = write_into(path, args.results, check=True)
+            ok = ok and (status == "ok" or (status == "skipped" and path not in (README, BENCH_README)))
+        for problem in index_problems(args.results):
+            print(problem)
+            ok = False
         for name in (PLOT_NATIVE, PLOT_SCALING):
             p = Path(args.results) / name
-            if not p.is_file() and any(name in line for line in plot_links(args.results, Path(args.readme).resolve().parent)):
+            if not p.is_file() and any(name in line for line in plot_links(args.results, BENCH_README.parent)):
                 print(f"warning: {p} is linked but missing (python bench/tables.py --plots)")
-        return 0 if status == "ok" else 1
+        return 0 if ok else 1
     if args.plots:
         make_plots(args.results)
-    write_into(args.readme, args.results)
-    for extra in args.into:
-        write_into(extra, args.results)
+    for path in [README, BENCH_README] + [Path(p) for p in args.into]:
+        write_into(path, args.results)
+    for problem in index_problems(args.results):
+        print(f"warning: {problem}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""README.md's generated tables match bench/results/*.json (bench/tables.py --check, in-process).
+"""The generated tables in README.md and bench/README.md match bench/results/*.json, and every results
+file is indexed (bench/tables.py --check, in-process).
 
 Needs neither matplotlib nor a GPU: the tables come from the stored JSON only. When this test fails,
 run ``python bench/tables.py`` (add ``--plots`` when matplotlib is installed) and commit the result.
@@ -6,6 +7,8 @@ run ``python bench/tables.py`` (add ``--plots`` when matplotlib is installed) an
 
 import builtins
 import importlib.util
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,12 +40,62 @@ def no_matplotlib(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", guarded)
 
 
-def test_readme_tables_in_sync(tables, no_matplotlib, capsys):
-    readme = tables.README
-    if not readme.is_file() or tables.BEGIN not in readme.read_text(encoding="utf-8"):
-        pytest.skip("README.md or its table markers are absent in this tree")
+def test_readme_and_bench_readme_in_sync(tables, no_matplotlib, capsys):
+    for doc in (tables.README, tables.BENCH_README):
+        if not doc.is_file() or tables.BEGIN not in doc.read_text(encoding="utf-8"):
+            pytest.skip(f"{doc.name} or its table markers are absent in this tree")
     rc = tables.main(["--check"])
-    assert rc == 0, "README.md's generated tables are out of date; run python bench/tables.py\n" + capsys.readouterr().out
+    assert rc == 0, "generated tables are out of date or bench/results is not indexed; run python bench/tables.py\n" + capsys.readouterr().out
+
+
+def test_check_fails_on_a_hand_edited_number(tables, no_matplotlib, tmp_path, monkeypatch, capsys):
+    # copies of both READMEs and of the results, in sync; then one digit of the README's generated block changed by hand
+    results = tmp_path / "bench" / "results"
+    shutil.copytree(tables.RESULTS, results, ignore=shutil.ignore_patterns("archive"))
+    for name, doc in (("README", tables.README), ("BENCH_README", tables.BENCH_README)):
+        copy = tmp_path / doc.relative_to(ROOT)
+        shutil.copyfile(doc, copy)
+        monkeypatch.setattr(tables, name, copy)
+    assert tables.main(["--check", "--results", str(results)]) == 0
+    text = tables.README.read_text(encoding="utf-8")
+    block = tables.current_block(text)
+    edited = re.sub(r"\d\.\d\d", lambda m: m.group(0)[:-1] + str((int(m.group(0)[-1]) + 1) % 10), block, count=1)
+    assert edited != block
+    tables.README.write_text(text.replace(block, edited), encoding="utf-8")
+    capsys.readouterr()
+    assert tables.main(["--check", "--results", str(results)]) == 1
+    assert "out of date" in capsys.readouterr().out
+
+
+def test_each_target_gets_its_own_set(tables):
+    readme = tables.generate(tables.RESULTS, tables.ROOT, tables.tables_for(tables.README))
+    bench = tables.generate(tables.RESULTS, tables.BENCH_README.parent, tables.tables_for(tables.BENCH_README))
+    rfc = tables.generate(tables.RESULTS, ROOT / "rfc", tables.tables_for(ROOT / "rfc" / "0000-minimax-h3-sequence-parallel.md"))
+    captions = [re.findall(r"^\*\*(.+?)\*\*", t, re.M) for t in (readme, bench, rfc)]
+    assert len(captions[0]) == 2  # the README: native forward and SP scaling only
+    assert "Results index." in captions[1] and "Results index." not in captions[2]
+    assert len(captions[0]) < len(captions[2]) < len(captions[1])
+    for text in (readme, bench, rfc):
+        assert "table skipped" not in text
+        assert "archive" not in text  # superseded runs are in no table
+        assert not re.search(r"targets? (is |are )?met|meets? the targets?|\|\s*met\b", text, re.I)
+        scaling = [c for c in re.findall(r"^\*\*(.+?)\*\*", text, re.M) if "Sequence-parallel scaling" in c]
+        assert scaling and all("EMULATED on one GPU" in c and "No multi-GPU measurement" in c for c in scaling)
+
+
+def test_index_names_every_results_file(tables, tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(tables.RESULTS, results, ignore=shutil.ignore_patterns("archive"))
+    assert tables.index_problems(results) == []
+    (results / "h3_h200_new_run.json").write_text("{}", encoding="utf-8")
+    (results / tables.H3_GAPS_JSON).unlink()
+    problems = tables.index_problems(results)
+    assert len(problems) == 2
+    assert "h3_h200_new_run.json is not in" in problems[0] and f"names {tables.H3_GAPS_JSON}, which is not in" in problems[1]
+    # a glob that matches nothing (a run still to come) is pending, not missing
+    assert not list(results.glob("lora_sync_*.json"))
+    rows = [line for line in tables.t_index(results) if "lora_sync_" in line]
+    assert len(rows) == 1 and "| pending |" in rows[0]
 
 
 def test_splice_keeps_the_rest_byte_identical(tables, tmp_path):
@@ -73,4 +126,3 @@ def test_partial_json_skips_a_table_not_the_run(tables, tmp_path):
     block = tables.generate(tmp_path, tmp_path)
     assert "H3 native forward: table skipped" in block
     assert "sequence-parallel scaling: table skipped" in block
-
