@@ -66,7 +66,7 @@ class WorkerProcess:
             with open(log_path, "xb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "comfy.parallel.worker", "--rank", str(rank),
-                     "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w)],
+                     "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w), "--parent-pid", str(os.getpid())],
                     pass_fds=(cmd_r, reply_w), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env=env, start_new_session=True, close_fds=True)
         except BaseException:

@@ -1,4 +1,4 @@
-"""Worker process entry: ``python -m comfy.parallel.worker --rank R --cmd-fd FD --reply-fd FD``.
+"""Worker process entry: ``python -m comfy.parallel.worker --rank R --cmd-fd FD --reply-fd FD --parent-pid P``.
 
 Spawned by ``ParallelGroup.start`` (never by hand). Start-up, in order:
   1. read the group token (32 raw bytes) and an authenticated "hello" (rank, world size, device,
@@ -39,6 +39,7 @@ logger = logging.getLogger("comfy.parallel.worker")
 
 BOOT_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
+PARENT_POLL = 0.5
 _HELLO = {"rank": int, "world_size": int, "device": str, "backend": str, "store_path": str, "spec": dict,
           "timeouts": dict, "limits": dict}
 
@@ -226,6 +227,17 @@ class Worker:
             ctx.op_id = ctx.op_name = ctx._cancel_requested = None
 
 
+def _watch_parent(parent_pid):
+    """Exit once rank 0 is gone. EOF on the control pipe usually says so first, but a process rank 0
+    forked keeps the pipe open; the parent pid changes either way (PR_SET_PDEATHSIG would fire when
+    the spawning thread ends, and ComfyUI starts groups from its prompt thread)."""
+    while True:
+        time.sleep(PARENT_POLL)
+        if os.getppid() != parent_pid:
+            logger.error("rank 0 (pid %d) exited; exiting", parent_pid)
+            _leave(errors.EXIT_PARENT_GONE)
+
+
 def _read_hello(fd, reader, timeout):
     deadline = time.monotonic() + timeout
     while True:
@@ -250,12 +262,14 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--cmd-fd", type=int, required=True)
     ap.add_argument("--reply-fd", type=int, required=True)
+    ap.add_argument("--parent-pid", type=int, required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format=f"%(asctime)s rank{a.rank} pid{os.getpid()} %(levelname)s %(name)s: %(message)s")
     faulthandler.enable()
     # rank 0 sends SIGUSR1 before killing a late worker that has replied "booted", so its log shows where it was stuck
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    threading.Thread(target=_watch_parent, args=(a.parent_pid,), name="parallel-parent-watch", daemon=True).start()
     try:
         token = read_exact(a.cmd_fd, TOKEN_BYTES, BOOT_TIMEOUT)
         reader = FrameReader(token, KINDS_TO_WORKER)

@@ -259,6 +259,14 @@ _RANK0 = textwrap.dedent("""
     print(" ".join(str(p) for p in g.worker_pids().values()), flush=True)
     if sys.argv[2] == "hang":
         time.sleep(60)
+    if sys.argv[2] == "fork_then_sigkill":
+        # a forked helper inherits the control pipes, so the workers see no EOF when rank 0 dies
+        helper = os.fork()
+        if helper == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(helper, flush=True)
+        os.kill(os.getpid(), 9)
 """ % OPS_MODULE)
 
 
@@ -280,6 +288,33 @@ def test_workers_do_not_outlive_rank0(tmp_path, how):
             assert proc.returncode == 0
             assert "shutdown requested by rank 0" in (tmp_path / "rank1-gen1.log").read_text()
     finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_workers_exit_when_rank0_dies_while_a_forked_helper_holds_the_pipes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", _RANK0, str(tmp_path), "fork_then_sigkill"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    helper = None
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.stderr.read().decode()
+        helper = int(proc.stdout.readline())
+        proc.wait(timeout=20)
+        died = time.monotonic()
+        assert not pid_gone(helper), "the helper holding the pipes must outlive rank 0 for this test to mean anything"
+        assert wait_until(lambda: all(pid_gone(p) for p in pids), 5.0) is not None, f"workers {pids} outlived rank 0"
+        assert time.monotonic() - died < 5.0
+        assert f"rank 0 (pid {proc.pid}) exited; exiting" in (tmp_path / "rank1-gen1.log").read_text()
+    finally:
+        if helper is not None:
+            try:
+                os.kill(helper, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.kill()
         proc.wait()
         proc.stdout.close()
