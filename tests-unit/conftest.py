@@ -101,8 +101,8 @@ def comfyui_patched(comfyui_models, _patched_stub_dir, monkeypatch):
         return comfyui_models  # a patched tree
     spec = importlib.util.spec_from_file_location("comfy.ldm.minimax.model", os.path.join(REEXPORT_DIR, "comfy", "ldm", "minimax", "model.py"))
     reexport = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "comfy.ldm.minimax.model", reexport)  # before it runs, as an import does
     spec.loader.exec_module(reexport)
-    monkeypatch.setitem(sys.modules, "comfy.ldm.minimax.model", reexport)
     monkeypatch.setattr(comfy.ldm.minimax, "model", reexport, raising=False)
     monkeypatch.syspath_prepend(_patched_stub_dir)
     return comfyui_models

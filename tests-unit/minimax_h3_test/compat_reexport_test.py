@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -61,7 +62,11 @@ def _reexport_source():
         pytest.skip("patches/overlay is not in this tree (a patched ComfyUI tree): the installed re-export is checked instead")
     spec = importlib.util.spec_from_file_location("_minimax_model_reexport", REEXPORT_SOURCE)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # as an import does while the module runs
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module
 
 
@@ -159,3 +164,85 @@ def test_reexported_helpers_compute_what_upstream_computes():
         theirs = getattr(upstream, name)(*((args[0].clone(),) + args[1:] if isinstance(args[0], torch.Tensor) else args))
         mine = getattr(ours, name)(*((args[0].clone(),) + args[1:] if isinstance(args[0], torch.Tensor) else args))
         assert _equal(theirs, mine), name
+
+
+def _reexport():
+    """The re-export as custom nodes see it: the installed module in a patched tree, else its source."""
+    module = _installed_module()
+    return module if module is not None and _is_reexport(module) else _reexport_source()
+
+
+def _models(upstream):
+    """(upstream's model, ours) with the same tiny random weights, through ComfyUI's ops."""
+    import comfy.ops
+    from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, random_state_dict
+    ops = comfy.ops.disable_weight_init
+    theirs = upstream.MiniMaxH3Model(**TINY_CONFIG, operations=ops).requires_grad_(False)
+    ours = MiniMaxH3Model(**TINY_CONFIG, operations=ops).requires_grad_(False)
+    sd = random_state_dict(theirs, seed=2)
+    theirs.load_state_dict(sd)
+    ours.load_state_dict(sd)
+    return theirs, ours
+
+
+@pytest.mark.parametrize("kind", ["t2va", "keyframes", "refs_all"])
+def test_cond_rows_methods_compute_what_upstream_computes(kind):
+    from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+    upstream = _upstream_module()
+    theirs, ours = _models(upstream)
+    _, _, _, p = step_inputs(TINY_CONFIG, kind)
+    for name in ("_cond_video_rows", "_cond_audio_rows"):
+        assert _call_compatible(getattr(theirs, name), getattr(ours, name)), name
+        a, b = getattr(theirs, name)(p, "cpu"), getattr(ours, name)(p, "cpu")
+        assert (a is None and b is None) if kind == "t2va" else _equal(a, b), name
+    if kind == "keyframes":  # augmentation levels below 1 and a seed: the noise is there and the same
+        assert p["visual_cond_noise_aug"] < 1.0 and p["audio_cond_noise_aug"] < 1.0
+
+
+def _counting_attention(module, calls):
+    """Replace module.optimized_attention, as custom nodes do, by one that doubles the output; -> the original."""
+    original = module.optimized_attention
+
+    def doubled(q, k, v, heads, **kwargs):
+        calls.append(heads)
+        return 2.0 * original(q, k, v, heads, **kwargs)
+    module.optimized_attention = doubled
+    return original
+
+
+def test_setting_optimized_attention_on_the_module_swaps_h3s_attention(comfyui_models):
+    import comfy.ldm.modules.attention
+    from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+    from h3_cases import tiny_model
+    module = _reexport()
+    assert module.optimized_attention is comfy.ldm.modules.attention.optimized_attention  # as upstream's import bound it
+    model, cfg = tiny_model()
+    x, t, c, p = step_inputs(cfg, "keyframes")
+    before = model(x, t, c, {}, minimax_payload=p)
+    calls = []
+    original = _counting_attention(module, calls)
+    try:
+        swapped = model(x, t, c, {}, minimax_payload=p)
+    finally:
+        module.optimized_attention = original
+    # every DiT block and every token-refiner block calls it once, with all heads
+    assert calls == [TINY_CONFIG["num_attention_heads"]] * (TINY_CONFIG["num_layers"] + TINY_CONFIG["token_refiner_num_layers"])
+    assert all(not torch.allclose(s, b) for s, b in zip(swapped, before))
+    assert all(torch.equal(a, b) for a, b in zip(model(x, t, c, {}, minimax_payload=p), before))
+
+
+def test_swapped_optimized_attention_gives_what_upstream_gives(comfyui_models):
+    from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+    upstream, module = _upstream_module(), _reexport()
+    theirs, ours = _models(upstream)
+    x, t, c, p = step_inputs(TINY_CONFIG, "refs_all")
+    out, calls = [], ([], [])
+    for mod, model, seen in ((upstream, theirs, calls[0]), (module, ours, calls[1])):
+        original = _counting_attention(mod, seen)
+        try:
+            out.append(model(x, t, c, {}, minimax_payload=dict(p)))
+        finally:
+            mod.optimized_attention = original
+    assert calls[0] == calls[1] and len(calls[0]) == TINY_CONFIG["num_layers"] + TINY_CONFIG["token_refiner_num_layers"]
+    for a, b in zip(*out):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from . import kernels
-from .conditioning import audio_carry, carried_audio_velocity, curve_t_emb, sigma_shifts, video_sigma
+from .conditioning import (AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, audio_carry, carried_audio_velocity, curve_t_emb, sigma_shifts,
+                           video_sigma)
 from .embedding import (condition_rows, pack_audio, patchify_video, rope_angles, rope_rotation_table, stream_rows,
                         unpack_audio, unpatchify_video)
 from .modules import DiTBlock, FinalLayer, TimeEmbedder, TokenRefiner
@@ -78,7 +79,7 @@ class MiniMaxH3Model(nn.Module):
                                       final_norm_eps, **curve, dtype=dtype, device=device, operations=operations)
         self.model_key = hashlib.sha256(json.dumps([self.config, str(dtype)], sort_keys=True).encode()).hexdigest()[:16]
 
-    # -- helpers kept for upstream callers (model_base.extra_conds) ---------------------------------
+    # -- upstream's helpers, kept for its callers (model_base.extra_conds, custom nodes) ------------
 
     def preprocess_text_embeds(self, text_states):
         """[B, L, text_dim] Qwen states -> [B, L, hidden] refined text embeds."""
@@ -89,6 +90,19 @@ class MiniMaxH3Model(nn.Module):
     def rope_freqs(self, position_ids, device):
         """[S, 3] float64 -> [S, 96] fp32 rope angles."""
         return rope_angles(position_ids, kernels.cast_to(self.rope.inv_freq, device, torch.float32))
+
+    def _cond_video_rows(self, payload, device):
+        """[rows, C*4] fp32 noise-augmented rows of the payload's visual condition latents, or None."""
+        return condition_rows(payload.get("cond_video_latents", []), self._patchify,
+                              float(payload.get("visual_cond_noise_aug", VISUAL_COND_TIMESTEP)), int(payload.get("seed", 0)), device)
+
+    def _cond_audio_rows(self, payload, device):
+        """[rows, C] fp32 noise-augmented rows of the payload's audio condition latents, or None."""
+        return condition_rows(payload.get("cond_audio_latents", []), pack_audio,
+                              float(payload.get("audio_cond_noise_aug", AUDIO_COND_TIMESTEP)), int(payload.get("seed", 0)) + 1, device)
+
+    def _patchify(self, latent):
+        return patchify_video(latent, self.patch_size)
 
     # -- forward -------------------------------------------------------------------------------------
 
@@ -154,8 +168,7 @@ class MiniMaxH3Model(nn.Module):
         video_x, audio_x, context, payload = inputs.video, inputs.audio, inputs.context, inputs.payload
         video_x = kernels.pad_to_patch_size(video_x, self.patch_size)
         device, dtype = video_x.device, context.dtype
-        video = stream_rows(condition_rows(payload.get("cond_video_latents", []), lambda z: patchify_video(z, self.patch_size),
-                                           plan.vis_aug, plan.seed, device),
+        video = stream_rows(condition_rows(payload.get("cond_video_latents", []), self._patchify, plan.vis_aug, plan.seed, device),
                             patchify_video(video_x.to(torch.float32), self.patch_size), plan.layout.video_cond_rows, "video")
         audio = stream_rows(condition_rows(payload.get("cond_audio_latents", []), pack_audio, plan.aud_aug, plan.seed + 1, device),
                             pack_audio(audio_x.to(torch.float32)), plan.layout.audio_cond_rows, "audio")

@@ -1,22 +1,15 @@
-"""Compatibility re-export: MiniMax H3 now lives in ``comfy.ldm.minimax_h3``.
+"""Compatibility re-export: MiniMax H3 lives in ``comfy.ldm.minimax_h3``; new code imports from there.
 
-This module exists so that ``comfy.model_base``, ``comfy_extras.nodes_minimax_h3`` and custom nodes
-keep importing the names they always imported from ``comfy.ldm.minimax.model``: the model, the
-packed layout, the timestep constants, the patchify/pack helpers, the ``nn.Module``s (same
-constructor arguments, same state-dict keys) and the private helpers custom nodes are known to
-copy. Each name is the same object as in the package, so ``isinstance`` checks and monkeypatching a
-class work on either name. The VAEs in this directory (``vae.py``, ``audio_vae.py``) are unchanged.
-
-New code should import from ``comfy.ldm.minimax_h3``; its ``H3_EXTENSION_API`` (major, minor) is the
-versioned interface (layout, conditioning, modulation, ForwardPlan / ShardPlan, ``run``). This
-module only promises what upstream's module offered and will not grow.
-
-Not re-exported: the names upstream's module merely imported (``math``, ``torch``, ``nn``,
-``comfy``, ``optimized_attention``, ``AttentionTensorContainer``). H3's attention call lives in
-``comfy.ldm.minimax_h3.kernels`` and follows ComfyUI's attention selection as before.
+Every name upstream's module defined is here, under its old name, as the package's own object;
+setting ``optimized_attention`` here swaps the attention function H3 calls, as it did upstream.
+This module only promises what upstream's module offered and will not grow.
 """
 
+import sys
+import types
+
 from comfy.ldm.minimax_h3 import H3_EXTENSION_API  # noqa: F401
+from comfy.ldm.minimax_h3 import kernels as _kernels
 from comfy.ldm.minimax_h3.conditioning import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, time_shift_sigma
 from comfy.ldm.minimax_h3.embedding import pack_audio, patchify_video, rope_rotation_table, unpack_audio, unpatchify_video
 from comfy.ldm.minimax_h3.layout import FRAME_PER_TOKEN, FRAME_RESCALE, PackedLayout
@@ -41,3 +34,18 @@ from comfy.ldm.minimax_h3.layout import video_t_grid as _video_t_grid  # noqa: F
 from comfy.ldm.minimax_h3.layout import video_t_spans as _video_t_spans  # noqa: F401
 from comfy.ldm.minimax_h3.modulation import mod_gate as _mod_gate  # noqa: F401
 from comfy.ldm.minimax_h3.modulation import mod_scale_shift as _mod_scale_shift  # noqa: F401
+
+
+class _ReexportModule(types.ModuleType):
+    # upstream's Attention looked optimized_attention up in this module on every call, so custom
+    # nodes replace it here; H3 looks it up in kernels
+    @property
+    def optimized_attention(self):
+        return _kernels.optimized_attention
+
+    @optimized_attention.setter
+    def optimized_attention(self, fn):
+        _kernels.optimized_attention = fn
+
+
+sys.modules[__name__].__class__ = _ReexportModule
