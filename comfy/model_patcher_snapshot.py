@@ -22,7 +22,7 @@ the diffusion model and everything else that cannot be replicated raise ``Unsupp
 
 Manifest (canonical JSON, see ``model_patcher_snapshot_codec``)::
 
-    {"schema": 1, "kind": "snapshot", "force_cast_weights": bool,
+    {"schema": 2, "kind": "snapshot", "force_cast_weights": bool,
      "object_patches": {"manual_cast_dtype": null | "bfloat16" | ...},   (only when patched)
      "patches": {key: [{"strength": num, "strength_model": num, "offset": null | [dim, start, length],
                         "value": {"type": "adapter", "adapter": "lora", "weights": [slot, ...]}
@@ -31,10 +31,12 @@ Manifest (canonical JSON, see ``model_patcher_snapshot_codec``)::
      "tensors": {name: {"dtype": str, "shape": [int], "sha256": hex}}}
 
     slot: null | {"tensor": name} | {"float": x} | {"int": n} | {"ints": [n, ...]}
-    name: "<key>/<entry index>/<slot index>" (0 for diff/set)
+    name: sha256 of the tensor's canonical {"dtype", "shape", "sha256"} (``codec.tensor_name``)
 
 A delta has kind "delta", ``base_digest``, ``target_digest``, ``removed`` (sorted keys) and carries
-only changed keys. ``digest`` = sha256(canonical manifest); ``version`` = (lineage, digest).
+only changed keys, and of their tensors only those whose content its base lacks: names follow content,
+so a strength change, a removed or reordered entry sends no tensor bytes. ``digest`` =
+sha256(canonical manifest); ``version`` = (lineage, digest).
 """
 
 import math
@@ -90,20 +92,22 @@ def _adapter_class_problem(v):
     return None
 
 
-def _capture_tensor(t, name, tensors, metas):
+def _capture_tensor(t, tensors, metas):
+    """-> (name, None) or (None, reason)."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        return f"tensor of type {type(t).__name__}; only plain tensors can be carried"
+        return None, f"tensor of type {type(t).__name__}; only plain tensors can be carried"
     try:
-        metas[name] = codec.tensor_meta(t)
+        meta = codec.tensor_meta(t)
     except ValueError as e:
-        return f"tensor with {e}"
-    tensors[name] = t.detach()
-    return None
+        return None, f"tensor with {e}"
+    name = codec.tensor_name(meta)
+    metas[name] = meta
+    tensors.setdefault(name, t.detach())
+    return name, None
 
 
-def _capture_value(key, i, v, tensors, metas):
+def _capture_value(v, tensors, metas):
     """One patch value -> (manifest value, None) or (None, reason)."""
-    name = f"{key}/{i}/"
     if hasattr(v, "weights") and isinstance(getattr(v, "name", None), str):
         if v.name not in ADAPTER_NAMES:
             return None, f"adapter {v.name!r} is not one this schema carries {ADAPTER_NAMES}"
@@ -115,10 +119,10 @@ def _capture_value(key, i, v, tensors, metas):
             if w is None:
                 slots.append(None)
             elif isinstance(w, torch.Tensor):
-                why = _capture_tensor(w, f"{name}{j}", tensors, metas)
+                name, why = _capture_tensor(w, tensors, metas)
                 if why:
                     return None, f"adapter {v.name} slot {j}: {why}"
-                slots.append({"tensor": f"{name}{j}"})
+                slots.append({"tensor": name})
             elif _number(w):
                 slots.append({"float" if type(w) is float else "int": w})
             elif isinstance(w, (list, tuple)) and all(type(n) is int for n in w):
@@ -138,17 +142,17 @@ def _capture_value(key, i, v, tensors, metas):
         return None, f"patch type {kind!r} {why}"
     if not isinstance(args, tuple) or not args:
         return None, f"{kind} patch arguments are {type(args).__name__}, expected (tensor, ...)"
-    why = _capture_tensor(args[0], f"{name}0", tensors, metas)
+    name, why = _capture_tensor(args[0], tensors, metas)
     if why:
         return None, f"{kind} {why}"
     if kind == "set":
-        return {"type": "set", "tensor": f"{name}0"}, None
+        return {"type": "set", "tensor": name}, None
     pad = False
     if len(args) > 1:
         if not isinstance(args[1], dict) or type(args[1].get("pad_weight")) is not bool:
             return None, f"diff options {args[1]!r} lack a bool 'pad_weight'"
         pad = args[1]["pad_weight"]
-    return {"type": "diff", "tensor": f"{name}0", "pad_weight": pad}, None
+    return {"type": "diff", "tensor": name, "pad_weight": pad}, None
 
 
 def _capture_patches(patcher, problems):
@@ -174,7 +178,7 @@ def _capture_patches(patcher, problems):
                                              and all(type(n) is int and n >= 0 for n in offset)):
                 why = f"offset {offset!r} is not (dim, start, length)"
             if why is None:
-                value, why = _capture_value(key, i, v, tensors, metas)
+                value, why = _capture_value(v, tensors, metas)
             if why is not None:
                 problems.append((key, f"entry {i}: {why}"))
                 continue
@@ -311,11 +315,11 @@ class PatchSnapshot:
 
     def diff(self, previous: "PatchSnapshot") -> "SnapshotDelta":
         """The delta that turns ``previous`` into this snapshot: changed keys only, and of their tensors
-        only those ``previous`` does not hold already (a strength change sends numbers, not tensors)."""
+        only those whose content ``previous`` does not hold (a strength change, a removed or reordered
+        entry sends numbers, not tensors)."""
         changed = sorted(k for k in self.patches if previous.key_digests.get(k) != self.key_digests[k])
         removed = sorted(set(previous.patches) - set(self.patches))
-        names = [n for k in changed for e in self.patches[k] for n in _names(e)
-                 if previous.tensor_metas.get(n) != self.tensor_metas[n]]
+        names = sorted({n for k in changed for e in self.patches[k] for n in _names(e)} - set(previous.tensor_metas))
         return SnapshotDelta({k: self.patches[k] for k in changed}, {n: self.tensors[n] for n in names},
                              {n: self.tensor_metas[n] for n in names}, removed, self.object_patches,
                              self.force_cast_weights, previous.version, self.version)
@@ -364,11 +368,11 @@ class SnapshotDelta:
         stale = set(self.removed) | set(self.patches)
         patches = {k: e for k, e in base.patches.items() if k not in stale}
         patches.update(self.patches)
-        keep = [n for k in patches for e in patches[k] for n in _names(e)]
-        missing = [n for n in keep if n not in self.tensors and n not in base.tensors]
+        keep = {n for k in patches for e in patches[k] for n in _names(e)}
+        missing = sorted({k for k in patches for e in patches[k] for n in _names(e) if n not in self.tensors and n not in base.tensors})
         if missing:
             raise SnapshotApplyError(f"delta references tensors that neither it nor version {base.lineage}/{base.digest[:12]} "
-                                     f"holds ({missing[:4]}); send the full snapshot instead")
+                                     f"holds (patches of {missing[:4]}); send the full snapshot instead")
         tensors = {n: self.tensors[n] if n in self.tensors else base.tensors[n] for n in keep}
         metas = {n: self.tensor_metas[n] if n in self.tensor_metas else base.tensor_metas[n] for n in keep}
         out = PatchSnapshot(dict(sorted(patches.items())), tensors, metas, self.object_patches,

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAGIC = b"CMFYPSN\x00"
 MAX_ENVELOPE_BYTES = 4096
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -105,6 +105,12 @@ def tensor_meta(t: torch.Tensor) -> dict:
     if name is None:
         raise ValueError(f"dtype {t.dtype} (expected one of {', '.join(DTYPES)})")
     return {"dtype": name, "shape": list(t.shape), "sha256": sha256_hex(tensor_bytes(cpu_contiguous(t)))}
+
+
+def tensor_name(meta: dict) -> str:
+    """A tensor's name in manifests and payloads: sha256 of its canonical meta (dtype, shape, sha256 of
+    the bytes). Equal content has one name wherever it sits, so a delta never resends what its base holds."""
+    return sha256_hex(canonical_json(meta))
 
 
 def _nbytes(meta: dict) -> int:

@@ -6,7 +6,7 @@ or a different program. Every message names the field, what was expected and wha
 
 import math
 
-from comfy.model_patcher_snapshot_codec import DTYPES, SCHEMA_VERSION, SnapshotFormatError, is_digest
+from comfy.model_patcher_snapshot_codec import DTYPES, SCHEMA_VERSION, SnapshotFormatError, is_digest, tensor_name
 
 _TOP = {
     "snapshot": {"schema", "kind", "force_cast_weights", "object_patches", "patches", "tensors"},
@@ -39,10 +39,10 @@ def _num(x, where, kind=(int, float)):
         _fail(where, "a finite number", x)
 
 
-def _tensor_ref(name, expected_name, where, seen):
-    if name != expected_name:
-        _fail(where, f"the canonical tensor name {expected_name!r}", name)
-    seen.append(name)
+def _tensor_ref(name, where, seen):
+    if not is_digest(name):
+        _fail(where, "a tensor name (64 lowercase hex digits)", name)
+    seen.setdefault(name, where)
 
 
 def _value(v, key, i, adapter_names, seen):
@@ -50,9 +50,8 @@ def _value(v, key, i, adapter_names, seen):
     if not isinstance(v, dict) or v.get("type") not in _VALUE:
         _fail(where, f"an object whose type is one of {sorted(_VALUE)}", v)
     _keys(v, _VALUE[v["type"]], where)
-    base = f"{key}/{i}/"
     if v["type"] != "adapter":
-        _tensor_ref(v["tensor"], base + "0", where + ".tensor", seen)
+        _tensor_ref(v["tensor"], where + ".tensor", seen)
         if v["type"] == "diff" and type(v["pad_weight"]) is not bool:
             _fail(where + ".pad_weight", "a bool", v["pad_weight"])
         return
@@ -68,7 +67,7 @@ def _value(v, key, i, adapter_names, seen):
             _fail(w, f"null or an object with one of the fields {sorted(_SLOT_KINDS)}", slot)
         kind, x = next(iter(slot.items()))
         if kind == "tensor":
-            _tensor_ref(x, f"{base}{j}", w, seen)
+            _tensor_ref(x, w, seen)
         elif kind == "ints":
             if not isinstance(x, list) or any(type(n) is not int for n in x):
                 _fail(w, "a list of integers", x)
@@ -96,8 +95,6 @@ def _patches(patches, adapter_names, seen):
 def _tensors(metas, seen, delta):
     if not isinstance(metas, dict):
         _fail("tensors", "an object of name -> {dtype, shape, sha256}", metas)
-    if len(seen) != len(set(seen)):
-        _fail("tensors", "each tensor referenced once", sorted(n for n in set(seen) if seen.count(n) > 1)[:8])
     # a delta carries only the referenced tensors its base does not hold already
     if (not set(metas) <= set(seen)) if delta else set(seen) != set(metas):
         _fail("tensors", f"{'a subset of' if delta else 'exactly'} the {len(set(seen))} tensors the patches reference",
@@ -113,6 +110,8 @@ def _tensors(metas, seen, delta):
             _count(d, where + ".shape")
         if not is_digest(m["sha256"]):
             _fail(where + ".sha256", "64 lowercase hex digits", m["sha256"])
+        if name != tensor_name(m):
+            _fail(f"{where} (referenced at {seen[name]})", f"the canonical tensor name {tensor_name(m)!r} of its content", name)
 
 
 def validate_manifest(manifest, envelope, adapter_names) -> str:
@@ -134,7 +133,7 @@ def validate_manifest(manifest, envelope, adapter_names) -> str:
     ops = manifest["object_patches"]
     if not isinstance(ops, dict) or set(ops) - {"manual_cast_dtype"} or ops.get("manual_cast_dtype") not in (None, *DTYPES):
         _fail("object_patches", "{} or {\"manual_cast_dtype\": null or a dtype name}", ops)
-    seen = []
+    seen = {}  # name -> where it is first referenced
     _patches(manifest["patches"], adapter_names, seen)
     _tensors(manifest["tensors"], seen, kind == "delta")
     if kind == "delta":

@@ -127,6 +127,13 @@ def _patched_state(patcher):
     return out
 
 
+def _name(t):
+    """A tensor's schema name: sha256 of its canonical {dtype, shape, sha256} JSON (hashlib and json only)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": hashlib.sha256(raw).hexdigest()}
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _bits(t):
     return t.reshape(-1).view(torch.uint8)
 
@@ -226,14 +233,12 @@ def test_deltas_rebuild_comfyui_weights_through_strength_change_and_removal(comf
     assert held.version == snap2.version == (2, snap2.digest)
     _assert_same_weights(s.worker_state(held), refs[1])
 
-    # a LoRA removed: its keys' chains shrink. Tensors are named by entry index, so only the hand
-    # patches behind turbo on the two qkv weights move to a new name and travel again
+    # a LoRA removed: its keys' chains shrink, and the hand patches behind turbo on the two qkv weights
+    # move to a lower entry index. Tensors are named by content: none travels again
     snap3 = PatchSnapshot.capture(third, previous=snap2)
     delta = snap3.diff(snap2)
     assert sorted(delta.patches) == sorted(s.turbo) and delta.removed == []
-    qkv0, qkv1 = (f"{PREFIX}blocks.{i}.attn.qkv_proj.weight" for i in (0, 1))
-    assert sorted(delta.tensors) == [f"{qkv0}/1/0", f"{qkv1}/1/0", f"{qkv1}/2/0"]
-    assert delta.describe()["tensor_bytes"] == 64 * 64 * 4 + 64 * 64 * 2 + 192 * 64 * 4
+    assert delta.tensors == {} and delta.describe()["tensor_bytes"] == 0
     held = decode(delta.encode()).apply_to(held)
     assert held.digest == snap3.digest
     _assert_same_weights(s.worker_state(held), refs[2])
@@ -315,11 +320,11 @@ def test_delta_missing_a_referenced_tensor_is_refused_by_apply(comfy):
     s, two, snap1, held, snap2, blob = _lora_then_turbo(comfy)
     delta = decode(blob)
     # the turbo entries are new: their factors travel, and only theirs
-    assert sorted(delta.tensor_metas) == sorted(f"{k}/1/{j}" for k in s.turbo for j in (0, 1))
+    assert sorted(delta.tensor_metas) == sorted(_name(s.turbo[k].weights[j]) for k in s.turbo for j in (0, 1))
     # control: the delta as sent rebuilds what ComfyUI merges
     _assert_same_weights(s.worker_state(delta.apply_to(held)), _patched_state(two))
 
-    name = f"{PREFIX}blocks.0.attn.qkv_proj.weight/1/0"
+    name = _name(s.turbo[f"{PREFIX}blocks.0.attn.qkv_proj.weight"].weights[0])
     assert name not in held.tensors
     broken = decode(_retensor(blob, drop=[name]))  # a subset is valid for a delta: the base may hold the rest
     with pytest.raises(SnapshotApplyError, match=r"references tensors that neither it nor version 1/.*blocks\.0\.attn\.qkv_proj"):
@@ -330,11 +335,11 @@ def test_delta_missing_a_referenced_tensor_is_refused_by_apply(comfy):
 def test_delta_carrying_an_unreferenced_tensor_is_refused_by_decode(comfy, extra):
     s, _, snap1, held, snap2, blob = _lora_then_turbo(comfy)
     if extra == "tensor of an unchanged key":
-        name = f"{PREFIX}blocks.0.mlp.fc1.weight/0/0"
-        assert name in snap1.tensors and f"{PREFIX}blocks.0.mlp.fc1.weight" not in decode(blob).patches
-        t = snap1.tensors[name]
+        t = s.main[f"{PREFIX}blocks.0.mlp.fc1.weight"].weights[0]
+        assert _name(t) in snap1.tensors and f"{PREFIX}blocks.0.mlp.fc1.weight" not in decode(blob).patches
     else:
-        name, t = f"{PREFIX}blocks.0.mlp.fc1.weight/9/0", torch.ones(3, dtype=torch.bfloat16)
+        t = torch.ones(3, dtype=torch.bfloat16)
+    name = _name(t)
     with pytest.raises(SnapshotFormatError, match=r"expected a subset of the \d+ tensors the patches reference"):
         decode(_retensor(blob, add={name: t}))
 

@@ -135,16 +135,30 @@ def _raw_bytes(t):
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _source_tensors(patcher):
-    """{schema tensor name: the patcher's own tensor}, named as the schema documents: key/entry/slot."""
+def _meta(t):
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": hashlib.sha256(_raw_bytes(t)).hexdigest()}
+
+
+def _name(t):
+    """A tensor's schema name as documented: sha256 of its canonical {dtype, shape, sha256} JSON."""
+    return hashlib.sha256(json.dumps(_meta(t), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _slot_tensors(patcher):
+    """{(key, entry, slot): the patcher's own tensor} (slot 0 for diff/set)."""
     out = {}
     for key, entries in patcher.patches.items():
         for i, (_, v, _, _, _) in enumerate(entries):
             if isinstance(v, Adapter):
-                out.update({f"{key}/{i}/{j}": w for j, w in enumerate(v.weights) if isinstance(w, torch.Tensor)})
+                out.update({(key, i, j): w for j, w in enumerate(v.weights) if isinstance(w, torch.Tensor)})
             else:
-                out[f"{key}/{i}/0"] = v[0] if len(v) == 1 else v[1][0]
+                out[(key, i, 0)] = v[0] if len(v) == 1 else v[1][0]
     return out
+
+
+def _source_tensors(patcher):
+    """{schema tensor name: the patcher's own tensor}"""
+    return {_name(t): t for t in _slot_tensors(patcher).values()}
 
 
 def _repack(blob, edit):
@@ -173,10 +187,9 @@ def test_round_trip_is_bit_exact_for_every_form():
     manifest = json.loads(raw)
     assert raw == json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
     source = _source_tensors(patcher)
-    assert len(source) == 27 and sorted(manifest["tensors"]) == sorted(source)
+    assert len(_slot_tensors(patcher)) == len(source) == 27 and sorted(manifest["tensors"]) == sorted(source)
     for name, t in source.items():
-        assert manifest["tensors"][name] == {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                             "sha256": hashlib.sha256(_raw_bytes(t)).hexdigest()}, name
+        assert manifest["tensors"][name] == _meta(t), name
 
     back = PatchSnapshot.decode(blob)
     assert back.version == snap.version == (1, digest)
@@ -191,7 +204,8 @@ def test_round_trip_is_bit_exact_for_every_form():
         [(0.75, 1.0, None), (1.0, 0.5, None), (-0.25, 1.0, None), (1.0, 1.0, [0, 4, 4])]
     assert a[1]["value"]["weights"][2] is None and a[1]["value"]["weights"][5] == {"ints": [12, 8]}
     assert back.entries(PREFIX + "b.weight")[0]["value"]["weights"][2] == {"int": 2}
-    assert back.entries(PREFIX + "c.weight")[3]["value"] == {"type": "diff", "tensor": PREFIX + "c.weight/3/0", "pad_weight": True}
+    pad_diff = _slot_tensors(patcher)[(PREFIX + "c.weight", 3, 0)]
+    assert back.entries(PREFIX + "c.weight")[3]["value"] == {"type": "diff", "tensor": _name(pad_diff), "pad_weight": True}
     assert back.entries(PREFIX + "d.bias")[0]["value"]["type"] == "diff"
     assert back.object_patches == {"manual_cast_dtype": "bfloat16"} and back.force_cast_weights is True
     assert json.loads(json.dumps(back.describe()))["entries"] == {"lora": 3, "diff": 4, "set": 1, "loha": 1, "lokr": 1,
@@ -230,6 +244,17 @@ def _manifest_span(blob):
     return start, start + n_man
 
 
+def _first_name(manifest):
+    return manifest["patches"][PREFIX + "a.weight"][0]["value"]["weights"][0]["tensor"]
+
+
+def _rename_diff_tensor(manifest):
+    """The diff on a.weight renamed consistently in patches and tensors: a name that is not its content's."""
+    value = manifest["patches"][PREFIX + "a.weight"][2]["value"]
+    manifest["tensors"]["0" * 64] = manifest["tensors"].pop(value["tensor"])
+    value["tensor"] = "0" * 64
+
+
 @pytest.mark.parametrize("case, match", [
     ("payload byte", "does not match its sha256"),
     ("manifest byte", "does not match the digest"),
@@ -239,11 +264,13 @@ def _manifest_span(blob):
     ("truncated manifest", "truncated inside the manifest"),
     ("truncated header", "truncated before the envelope length"),
     ("trailing bytes", "truncated or has trailing bytes"),
-    ("schema version", "schema version is 2, this ComfyUI reads version 1"),
+    ("schema version", "schema version is 1, this ComfyUI reads version 2"),
     ("unknown field", "expected an object with the fields"),
     ("non-canonical json", "not in canonical form"),
-    ("wrong dtype", "safetensors header does not match"),
-    ("tensor name", "canonical tensor name"),
+    ("payload dtype", "safetensors header does not match"),
+    ("manifest dtype", "expected the canonical tensor name '[0-9a-f]{64}' of its content"),
+    ("tensor name", r"a tensor name \(64 lowercase hex digits\), found 'x'"),
+    ("renamed tensor", "expected the canonical tensor name '[0-9a-f]{64}' of its content"),
     ("unknown adapter", "expected one of"),
     ("lineage", "envelope.lineage"),
     ("not bytes", "expected bytes"),
@@ -260,12 +287,16 @@ def test_decode_rejects(case, match):
         "truncated manifest": lambda: blob[:m0 + 10],
         "truncated header": lambda: blob[:12],
         "trailing bytes": lambda: blob + b"\x00",
-        "schema version": lambda: _repack(blob, lambda m: m.update(schema=2)),
+        "schema version": lambda: _repack(blob, lambda m: m.update(schema=1)),
         "unknown field": lambda: _repack(blob, lambda m: m.update(hooks=[])),
         "non-canonical json": lambda: codec.pack({"digest": hashlib.sha256(blob[m0:m1] + b" ").hexdigest(), "lineage": 1},
                                                  blob[m0:m1] + b" ", blob[m1:]),
-        "wrong dtype": lambda: _repack(blob, lambda m: m["tensors"][PREFIX + "a.weight/0/0"].update(dtype="float16")),
+        # same length: the header's JSON stays valid, its bytes differ from the ones the manifest implies
+        "payload dtype": lambda: blob[:m1] + blob[m1:].replace(b'"BF16"', b'"F16" ', 1),
+        # the name commits to the dtype
+        "manifest dtype": lambda: _repack(blob, lambda m: m["tensors"][_first_name(m)].update(dtype="float16")),
         "tensor name": lambda: _repack(blob, lambda m: m["patches"][PREFIX + "a.weight"][2]["value"].update(tensor="x")),
+        "renamed tensor": lambda: _repack(blob, _rename_diff_tensor),
         "unknown adapter": lambda: _repack(blob, lambda m: m["patches"][PREFIX + "b.weight"][0]["value"].update(adapter="ia3")),
         "lineage": lambda: codec.pack({"digest": hashlib.sha256(blob[m0:m1]).hexdigest(), "lineage": -1}, blob[m0:m1], blob[m1:]),
         "not bytes": lambda: blob.decode("latin-1"),
@@ -314,7 +345,7 @@ def test_delta_carries_changed_keys_and_only_the_tensors_the_base_lacks():
     blob = delta.encode()
     assert sorted(delta.patches) == sorted(changed + [extended]) and delta.removed == [removed]
     # the strength changes send numbers only; the one new entry sends its fp32 (64, 96) diff
-    assert sorted(delta.tensor_metas) == [f"{extended}/1/0"]
+    assert sorted(delta.tensor_metas) == [_name(torch.full(shapes["blocks.7.mlp.fc2.weight"], 0.5))]
     assert delta.describe()["tensor_bytes"] == 64 * 96 * 4
     assert len(blob) < len(second.encode()) / 10
 
@@ -331,6 +362,46 @@ def test_delta_carries_changed_keys_and_only_the_tensors_the_base_lacks():
         decode(blob).apply_to(second)
     with pytest.raises(SnapshotApplyError, match="holds nothing applied; send the full snapshot"):
         decode(blob).apply_to(None)
+
+
+def _slot_of(snap, key, i, j):
+    v = snap.entries(key)[i]["value"]
+    return snap.tensors[v["weights"][j]["tensor"] if v["type"] == "adapter" else v["tensor"]]
+
+
+def test_removed_or_reordered_entries_send_no_tensor_bytes():
+    shapes = h3_linear_shapes()
+    model = module_from_shapes(shapes, torch.bfloat16)
+    lora_a, lora_b, lora_c = (h3_lora(shapes, seed=s) for s in (1, 2, 3))
+    factor_bytes = sum((o * 4 + 4 * i) * 2 for o, i in shapes.values())  # rank 4, bfloat16 up + down
+
+    def stack(*loras):
+        p = Patcher(model)
+        for lora, strength in loras:
+            p.add_patches(lora, strength)
+        return p
+
+    both = stack((lora_a, 0.8), (lora_b, 0.5))
+    first = PatchSnapshot.capture(both)
+    held = decode(first.encode())
+    # the same LoRA twice on a chain: its factors are one content and travel once
+    twice = PatchSnapshot.capture(stack((lora_a, 0.8), (lora_a, 0.3)))
+    assert len(twice.tensors) == 416 and twice.describe()["tensor_bytes"] == factor_bytes
+    cases = {"first entry removed": stack((lora_b, 0.5)), "entries swapped": stack((lora_b, 0.5), (lora_a, 0.8)),
+             "a third LoRA added": stack((lora_a, 0.8), (lora_b, 0.5), (lora_c, 1.0))}
+    for case, target in cases.items():
+        snap = PatchSnapshot.capture(target, previous=first)
+        delta = snap.diff(first)
+        # every key's chain changed, so every key travels; of the tensors only the third LoRA's are new
+        assert sorted(delta.patches) == sorted(target.patches) and delta.removed == [], case
+        expected = factor_bytes if case == "a third LoRA added" else 0
+        assert delta.describe()["tensor_bytes"] == expected and len(delta.tensors) == (416 if expected else 0), case
+        back = decode(delta.encode()).apply_to(held)
+        assert back.version == snap.version, case
+        for (key, i, j), t in _slot_tensors(target).items():
+            assert _same_bits(_slot_of(back, key, i, j), t), (case, key, i, j)
+        assert [e["strength"] for e in back.entries(PREFIX + "blocks.0.mlp.fc1.weight")] == \
+            [strength for strength, *_ in target.patches[PREFIX + "blocks.0.mlp.fc1.weight"]], case
 
 
 def test_capture_lineage_follows_content():
