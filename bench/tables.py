@@ -585,8 +585,6 @@ def t_snapshot(results):
                   "worker_patch_model": "worker: ComfyUI patch_model() of that clone (incl. backup copies)",
                   "worker_strength_change": "worker: strength change (unpatch_model, delta.apply_to, to_patcher, patch_model)",
                   "worker_unpatch_model": "worker: ComfyUI unpatch_model() (restore backups)",
-                  "apply": "snapshot apply (incl. backup copies)", "clear": "snapshot clear (restore backups)",
-                  "reapply_other_strength": "re-apply at another strength (from backups)",
                   "comfyui_patch_model": "ComfyUI ModelPatcher.patch_model() (same patches, for scale)",
                   "comfyui_unpatch_model": "ComfyUI ModelPatcher.unpatch_model() (for scale)"}
         order = list(labels)
@@ -815,7 +813,8 @@ def write_into(path, results, check=False):
     if check:
         old = current_block(text) or ""
         diff = difflib.unified_diff(old.splitlines(), block.splitlines(), "in file", "generated now", lineterm="", n=1)
-        print(f"{path}: generated tables are out of date (run python bench/tables.py):")
+        rerun = "" if path.resolve() in (README.resolve(), BENCH_README.resolve()) else f" --into {path}"
+        print(f"{path}: generated tables are out of date (run python bench/tables.py{rerun}):")
         print("\n".join(list(diff)[:40]))
         return "stale"
     with open(path, "w", encoding="utf-8", newline="") as f:
