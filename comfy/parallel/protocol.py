@@ -17,8 +17,8 @@ Wire format of one frame (all integers big-endian)::
 * Tensor bytes never travel in a frame: the manifest names them (dtype, shape) and they go over the
   data process group (``comm.py``), packed in manifest order at 64-byte aligned offsets.
 * The prefix is checked against the size limits before the body is read; a bad MAC, magic,
-  version, kind or schema, non-JSON text, NaN, a duplicate name or an EOF inside a frame raise
-  ``ProtocolError``. JSON only: nothing here unpickles.
+  version, kind or schema, non-JSON text, NaN, too deep nesting, a duplicate name or an EOF inside
+  a frame raise ``ProtocolError``. JSON only: nothing here unpickles.
 
 This module imports no torch so that a worker can authenticate its channel before torch loads.
 """
@@ -204,12 +204,17 @@ class FrameReader:
         expected = hmac.new(self._token, frame[:body_end], hashlib.sha256).digest()
         if not hmac.compare_digest(expected, frame[body_end:]):
             raise ProtocolError("bad MAC: the control message was not signed with this group's token")
+        # any failure to decode is the sender's fault: a reader that raised anything else would die
+        # and leave its side waiting for messages it will never decode
         try:
             header = json.loads(frame[_PREFIX.size:_PREFIX.size + hlen].decode("utf-8"), parse_constant=_reject_constant)
             manifest = json.loads(frame[_PREFIX.size + hlen:body_end].decode("utf-8"), parse_constant=_reject_constant)
+            return self._check(header, manifest)
         except (UnicodeDecodeError, ValueError) as e:
             raise ProtocolError(f"control message is not valid UTF-8 JSON: {e}") from None
-        return self._check(header, manifest)
+        except RecursionError:
+            raise ProtocolError("control message nests too deeply to decode (a control message is a few levels of "
+                                "JSON; send bulk data as tensors)") from None
 
     def _check(self, header, manifest):
         if not isinstance(header, dict) or set(header) != _HEADER_KEYS:

@@ -127,6 +127,10 @@ class Worker:
             except ProtocolError as e:
                 logger.error("rejected a control message from rank 0: %s; exiting", e)
                 _leave(errors.EXIT_PROTOCOL)
+            except Exception:
+                # without its reader this worker would wait for ops it can no longer receive
+                logger.exception("the control reader failed; exiting")
+                _leave(errors.EXIT_INTERNAL)
 
     def _dispatch(self, msg):
         if msg.kind == "run":

@@ -214,6 +214,12 @@ def _forged(worker, kind):
         return framed + hmac.new(worker._token, framed, hashlib.sha256).digest()
     if kind == "stale_op_id":
         return encode(worker._token, "run", seq, 0, {"op": "test.echo", "meta": {}})
+    if kind == "nested":
+        # validly signed, but 100000 nested lists: more than any JSON decoder recursion allows
+        header = (b'{"v":1,"seq":%d,"id":9,"kind":"run","digest":"%s","body":{"op":"test.echo","meta":{"x":%s%s}}}'
+                  % (seq, b"0" * 64, b"[" * 100000, b"]" * 100000))
+        framed = MAGIC + len(header).to_bytes(4, "big") + (2).to_bytes(4, "big") + header + b"[]"
+        return framed + hmac.new(worker._token, framed, hashlib.sha256).digest()
     if kind == "oversize":
         return MAGIC + (1 << 30).to_bytes(4, "big") + (0).to_bytes(4, "big")
     return encode(worker._token, "run", seq, 9, {"op": "test.echo", "meta": {}})[:-7]
@@ -225,6 +231,7 @@ def _forged(worker, kind):
     ("stale_op_id", "op id 0 does not increase (last op was 0)"),
     ("oversize", "oversize control message: header 1073741824 B"),
     ("truncated", "truncated control message"),
+    ("nested", "control message nests too deeply to decode"),
 ])
 def test_forged_control_message_is_rejected(tmp_path, kind, logged):
     with ParallelGroup("forged", log_dir=str(tmp_path)) as g:

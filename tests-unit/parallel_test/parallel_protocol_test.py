@@ -149,6 +149,16 @@ def test_schema_violations_rejected():
         reader().feed(forge_raw(b"\xff\xfe", b"[]"))
 
 
+def test_deep_nesting_is_a_protocol_error():
+    # validly signed: a token holder's bug must end the channel with a clear error, not kill the reader
+    nested = b"[" * 100000 + b"]" * 100000
+    header = json.dumps(good_header()).encode().replace(b'"meta": {}', b'"meta": ' + nested)
+    with pytest.raises(ProtocolError, match="nests too deeply to decode"):
+        reader().feed(forge_raw(header, b"[]"))
+    with pytest.raises(ProtocolError, match="nests too deeply to decode"):
+        reader().feed(forge_raw(json.dumps(good_header()).encode(), nested))
+
+
 @pytest.mark.parametrize("manifest, message", [
     ([{"name": "a", "dtype": "float32", "shape": [1]}] * 2, "names tensor 'a' twice"),
     ([{"name": "a", "dtype": "object", "shape": [1]}], "dtype 'object' is not one of"),
