@@ -30,7 +30,8 @@ def run_one(impl, repeat):
     args.cpu = True
     import torch
     import comfy.ops
-    from comfy.ldm.minimax_h3.synthetic import random_state_dict, step_inputs
+    sys.path.insert(0, os.path.join(ROOT, "tests-unit"))
+    from h3_files import random_state_dict, step_inputs
     if impl == "upstream":
         from comfy.ldm.minimax.model import MiniMaxH3Model
     else:

@@ -1,6 +1,7 @@
-"""H3 checkpoint files on disk, in the layouts ComfyUI's loader reads (importable by any test).
+"""H3 test fixtures (importable by any test, script or bench): random weights at any H3 config,
+step inputs of every conditioning kind, and checkpoint files in the layouts ComfyUI's loader reads.
 
-Formats (``fmt``):
+File formats (``fmt``):
   plain        every tensor as ``random_state_dict`` makes it at ``dtype`` (fp32 islands stay fp32).
   scaled_fp8   ComfyUI's legacy scaled-fp8 file: a ``scaled_fp8`` marker tensor, each quantized
                linear's weight in float8_e4m3fn with an fp32 per-tensor ``<layer>.scale_weight``
@@ -16,18 +17,102 @@ fp8 files.
 """
 
 import json
+import math
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from comfy.ldm.minimax_h3.layout import FRAME_RESCALE
 from comfy.ldm.minimax_h3.model import MiniMaxH3Model
-from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, random_state_dict
 
 FORMATS = ("plain", "scaled_fp8", "comfy_quant")
 FP8 = torch.float8_e4m3fn
 
-__all__ = ["FORMATS", "TINY_CONFIG", "lora_state_dict", "quantized_layers", "read_h3_file", "write_h3_file"]
+__all__ = ["FORMATS", "INPUT_KINDS", "TINY_CONFIG", "lora_state_dict", "quantized_layers", "random_state_dict",
+           "read_h3_file", "step_inputs", "write_h3_file"]
+
+# small enough for CPU tests, every structural feature of the real model (partial rope: 12 of 16)
+TINY_CONFIG = {"hidden_size": 64, "num_layers": 2, "token_refiner_num_layers": 1, "num_attention_heads": 4,
+               "attention_head_dim": 16, "ffn_hidden_size": 96, "text_dim": 48, "timestep_input_dim": 32,
+               "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 2}
+
+INPUT_KINDS = ("t2va", "tags", "keyframes", "ref_image", "ref_audio", "ref_video", "ref_video_audio", "refs_all")
+
+
+def random_state_dict(model, seed=0):
+    """Random weights for every tensor of `model` (fan-in scaled, so activations stay O(1))."""
+    gen = torch.Generator("cpu").manual_seed(seed)
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("rope.inv_freq"):
+            n = t.shape[0]
+            v = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float64) / n))
+        elif "norm" in (name.split(".")[-2] if "." in name else ""):  # norm, norm1/2, q_norm, k_norm, final_norm
+            v = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
+        elif t.ndim == 2 and not name.endswith("adaln_t_table"):
+            v = torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[1])
+        else:
+            v = 0.1 * torch.randn(t.shape, generator=gen)
+        out[name] = v.to(t.dtype)
+    return out
+
+
+def _latent(gen, *shape):
+    return torch.randn(shape, generator=gen)
+
+
+def step_inputs(config, kind="t2va", seed=0, text_len=7, frames=3, height=6, width=8, audio_t=5, sigma=0.6,
+                raw_text=True, audio_scale=1.0):
+    """(x, timestep, context, payload) for one step of a given conditioning kind.
+
+    kinds: t2va, tags, keyframes, ref_image, ref_audio, ref_video, ref_video_audio, refs_all.
+    """
+    gen = torch.Generator("cpu").manual_seed(seed)
+    c, ca = config.get("latents_dim", 24), config.get("audio_latents_dim", 32)
+    video = _latent(gen, 1, c, frames, height, width)
+    audio = _latent(gen, 1, ca, 2, audio_t)
+    width_ctx = config["text_dim"] if raw_text else config["hidden_size"]
+    context = _latent(gen, 1, text_len, width_ctx)
+    timestep = torch.tensor([sigma * 1000.0])
+    payload = {"seed": seed + 11, "audio_scale": audio_scale}
+    lh, lw = height + height % 2, width + width % 2
+    if kind == "tags":
+        tags = torch.ones(text_len, dtype=torch.long)
+        tags[1:3] = 0
+        tags[-1] = 2
+        payload["text_token_tags"] = tags
+    elif kind == "keyframes":
+        last = int((frames - 1) * 4 // 1)
+        kfs = [{"resolved_frame_index": 0, "latent": _latent(gen, 1, c, 1, lh, lw)},
+               {"resolved_frame_index": last, "latent": _latent(gen, 1, c, 1, lh, lw),
+                "audio_latent": _latent(gen, 1, ca, 2, max(1, audio_t - math.ceil(FRAME_RESCALE * last) + 2))}]
+        payload["keyframes"] = kfs
+        payload["cond_video_latents"] = [k["latent"] for k in kfs if k.get("latent") is not None]
+        payload["cond_audio_latents"] = [k["audio_latent"] for k in kfs if k.get("audio_latent") is not None]
+        payload["visual_cond_noise_aug"] = 0.9
+        payload["audio_cond_noise_aug"] = 0.8
+    elif kind.startswith("ref"):
+        blocks = []
+        if kind in ("ref_image", "refs_all"):
+            blocks.append({"kind": "image", "latent_h": 4, "latent_w": 6, "latent": _latent(gen, 1, c, 1, 4, 6)})
+        if kind in ("ref_audio", "refs_all"):
+            blocks.append({"kind": "audio", "ref_audio_t": 3, "audio_latent": _latent(gen, 1, ca, 2, 3)})
+        if kind in ("ref_video", "refs_all"):
+            blocks.append({"kind": "video", "latent_t": 2, "latent_h": 4, "latent_w": 4, "ref_audio_t": 0,
+                           "latent": _latent(gen, 1, c, 2, 4, 4), "audio_latent": None})
+        if kind in ("ref_video_audio", "refs_all"):
+            blocks.append({"kind": "video_audio", "latent_t": 2, "latent_h": 2, "latent_w": 4, "ref_audio_t": 4,
+                           "latent": _latent(gen, 1, c, 2, 2, 4), "audio_latent": _latent(gen, 1, ca, 2, 4)})
+        if not blocks:
+            raise ValueError(f"unknown reference input kind {kind!r}")
+        payload["refs"] = blocks
+        payload["cond_video_latents"] = [b["latent"] for b in blocks if "latent" in b]
+        payload["cond_audio_latents"] = [b["audio_latent"] for b in blocks if b.get("audio_latent") is not None]
+        payload["visual_cond_noise_aug"] = 0.95
+    elif kind != "t2va":
+        raise ValueError(f"unknown input kind {kind!r}")
+    return [video, audio], timestep, context, payload
 
 
 def quantized_layers(config):

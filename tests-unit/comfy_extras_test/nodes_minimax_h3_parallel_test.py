@@ -18,8 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
-from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
-from h3_files import lora_state_dict, write_h3_file
+from h3_files import TINY_CONFIG, lora_state_dict, step_inputs, write_h3_file
 
 pytestmark = pytest.mark.comfyui
 TOL = 1e-5

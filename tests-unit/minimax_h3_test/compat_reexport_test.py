@@ -175,7 +175,7 @@ def _reexport():
 def _models(upstream):
     """(upstream's model, ours) with the same tiny random weights, through ComfyUI's ops."""
     import comfy.ops
-    from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, random_state_dict
+    from h3_files import TINY_CONFIG, random_state_dict
     ops = comfy.ops.disable_weight_init
     theirs = upstream.MiniMaxH3Model(**TINY_CONFIG, operations=ops).requires_grad_(False)
     ours = MiniMaxH3Model(**TINY_CONFIG, operations=ops).requires_grad_(False)
@@ -187,7 +187,7 @@ def _models(upstream):
 
 @pytest.mark.parametrize("kind", ["t2va", "keyframes", "refs_all"])
 def test_cond_rows_methods_compute_what_upstream_computes(kind):
-    from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+    from h3_files import TINY_CONFIG, step_inputs
     upstream = _upstream_module()
     theirs, ours = _models(upstream)
     _, _, _, p = step_inputs(TINY_CONFIG, kind)
@@ -212,7 +212,7 @@ def _counting_attention(module, calls):
 
 def test_setting_optimized_attention_on_the_module_swaps_h3s_attention(comfyui_models):
     import comfy.ldm.modules.attention
-    from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+    from h3_files import TINY_CONFIG, step_inputs
     from h3_cases import tiny_model
     module = _reexport()
     assert module.optimized_attention is comfy.ldm.modules.attention.optimized_attention  # as upstream's import bound it
@@ -232,7 +232,7 @@ def test_setting_optimized_attention_on_the_module_swaps_h3s_attention(comfyui_m
 
 
 def test_swapped_optimized_attention_gives_what_upstream_gives(comfyui_models):
-    from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+    from h3_files import TINY_CONFIG, step_inputs
     upstream, module = _upstream_module(), _reexport()
     theirs, ours = _models(upstream)
     x, t, c, p = step_inputs(TINY_CONFIG, "refs_all")

@@ -20,12 +20,11 @@ dequantized weight). Against upstream with the unrounded weights the same output
 
 import pytest
 import torch
-from h3_files import quantized_layers, read_h3_file, write_h3_file
 from safetensors import safe_open
 
 from comfy.ldm.minimax_h3.layout import PackedLayout
 from comfy.ldm.minimax_h3.model import MiniMaxH3Model
-from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
+from h3_files import TINY_CONFIG, quantized_layers, read_h3_file, step_inputs, write_h3_file
 
 pytestmark = pytest.mark.comfyui
 

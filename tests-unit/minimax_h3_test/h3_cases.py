@@ -7,7 +7,7 @@ import torch
 from comfy.ldm.minimax_h3.model import MiniMaxH3Model
 from comfy.ldm.minimax_h3.plan import ForwardPlan
 from comfy.ldm.minimax_h3.step_io import StepInputs
-from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, random_state_dict, step_inputs
+from h3_files import TINY_CONFIG, random_state_dict, step_inputs
 
 
 def tiny_model(dtype=torch.float32, curve=None, seed=0, operations=None, **overrides):

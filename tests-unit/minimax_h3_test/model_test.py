@@ -8,8 +8,8 @@ import torch
 
 from comfy.ldm.minimax_h3.model import MiniMaxH3Model
 from comfy.ldm.minimax_h3.step_io import StepInputs
-from comfy.ldm.minimax_h3.synthetic import TINY_CONFIG, step_inputs
 from h3_cases import tiny_model
+from h3_files import TINY_CONFIG, step_inputs
 
 KEYS = os.path.join(os.path.dirname(__file__), "data", "tiny_state_dict_keys.json")
 

@@ -3,8 +3,8 @@
 import pytest
 
 from comfy.ldm.minimax_h3.plan import ShardPlan, balanced_ranges
-from comfy.ldm.minimax_h3.synthetic import INPUT_KINDS
 from h3_cases import plan_for, tiny_model
+from h3_files import INPUT_KINDS
 
 
 def _digests(rank, world):

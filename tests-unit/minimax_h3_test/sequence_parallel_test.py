@@ -16,10 +16,9 @@ import pytest
 from comfy import model_patcher_snapshot as snapshots
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel
-from comfy.ldm.minimax_h3.synthetic import INPUT_KINDS, step_inputs
 from comfy.parallel import ParallelCancelled, ParallelGroupError, Timeouts, headless
 from h3_cases import tiny_model
-from h3_files import write_h3_file
+from h3_files import INPUT_KINDS, step_inputs, write_h3_file
 
 pytestmark = pytest.mark.comfyui
 TOL = 1e-5

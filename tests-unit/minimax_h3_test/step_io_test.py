@@ -7,7 +7,7 @@ import torch
 
 from comfy.ldm.minimax_h3.layout import PackedLayout
 from comfy.ldm.minimax_h3.step_io import StepInputs
-from comfy.ldm.minimax_h3.synthetic import INPUT_KINDS, TINY_CONFIG, step_inputs
+from h3_files import INPUT_KINDS, TINY_CONFIG, step_inputs
 
 
 @pytest.mark.parametrize("kind", INPUT_KINDS)

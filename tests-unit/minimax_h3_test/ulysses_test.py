@@ -7,9 +7,9 @@ row; differences come only from GEMM blocking on different row counts). bf16 is 
 import pytest
 import torch
 
-from comfy.ldm.minimax_h3.synthetic import INPUT_KINDS
 from comfy.ldm.minimax_h3.ulysses import sharded_forward
 from h3_cases import plan_for, tiny_model
+from h3_files import INPUT_KINDS
 
 CASES = [(kind, None) for kind in INPUT_KINDS] + [("t2va", 9), ("refs_all", 9)]
 

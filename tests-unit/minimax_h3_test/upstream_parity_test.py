@@ -7,7 +7,7 @@ kernels. fp32 must agree to 1e-5 (max abs, outputs are O(1)); in practice they a
 import pytest
 import torch
 
-from comfy.ldm.minimax_h3.synthetic import INPUT_KINDS, TINY_CONFIG, random_state_dict, step_inputs
+from h3_files import INPUT_KINDS, TINY_CONFIG, random_state_dict, step_inputs
 
 pytestmark = pytest.mark.comfyui
 
