@@ -37,7 +37,7 @@ TINY = {"hidden_size": 64, "num_layers": 2, "token_refiner_num_layers": 1, "num_
         "attention_head_dim": 16, "ffn_hidden_size": 96, "text_dim": 48, "timestep_input_dim": 32,
         "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 2}
 SHIFTS = (12.0, 3.0)
-PDD_HEADS = 8
+PDD_HEADS = 16  # with 8 sampler steps every step spans two heads of the bank
 
 # name -> (model options, input options, unchanged); "unchanged" cases exercise nothing the newer file
 # changed, so upstream at the pinned base must produce the same numbers
@@ -59,6 +59,7 @@ CASES = {
                                    "audio_mask": True}, False),
     "masks_refs_curve": ({"curve": 9}, {"refs": True, "video_mask": "binary", "audio_mask": True}, False),
     "masks_bf16": ({"dtype": "bfloat16"}, {"video_mask": "binary", "audio_mask": True}, False),
+    "pdd_first": ({"pdd_heads": PDD_HEADS}, {"step": 0}, False),
     "pdd_mid": ({"pdd_heads": PDD_HEADS}, {"step": 3, "audio_scale": 0.7}, False),
     "pdd_last": ({"pdd_heads": PDD_HEADS}, {"step": 7}, False),
     "pdd_mask": ({"pdd_heads": PDD_HEADS}, {"step": 2, "video_mask": "binary", "audio_mask": True}, False),

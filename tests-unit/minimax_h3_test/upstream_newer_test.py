@@ -123,6 +123,49 @@ def test_audio_mask_applies_before_the_audio_carry(comfyui_dir, reference):
     assert not torch.allclose(got[~held].double(), expected[~held], atol=1e-3)
 
 
+def _pdd_head(bank, bias, heads, start, stop, shift):
+    """The head a PDD step uses, by hand: row block 0 is a full head, blocks 1.. are offsets from it,
+    weighted by the step's share dt of the shifted time grid (PR #15908)."""
+    grid = [1.0 - k / heads for k in range(heads + 1)]
+    t = [1.0 - shift * g / (1.0 + (shift - 1.0) * g) for g in grid]
+    dt = [t[k + 1] - t[k] for k in range(start, stop)]
+    w = [d / sum(dt) for d in dt]
+    rows, brows = bank.double().reshape(heads, -1, bank.shape[1]), bias.double().reshape(heads, -1)
+    weight, b = rows[0].clone(), brows[0].clone()
+    for k in range(max(start, 1), stop):
+        weight += w[k - start] * rows[k]
+        b += w[k - start] * brows[k]
+    return weight.float(), b.float()
+
+
+@pytest.mark.parametrize("name", ["pdd_first", "pdd_mid", "pdd_last"])
+def test_pdd_step_uses_the_dt_weighted_heads_it_spans(comfyui_dir, reference, name):
+    """A bank model's step equals the plain model at the pinned base whose heads are mixed by hand."""
+    tensors, manifest = reference
+    upstream = _base_upstream()
+    model_opts, opts, _ = un.CASES[name]
+    heads = model_opts["pdd_heads"]
+    sigma = float(un.sample_sigmas()[opts["step"]])
+    sigma_next = float(un.sample_sigmas()[opts["step"] + 1])
+    shift_v, shift_a = manifest["shifts"]
+
+    def grid_index(s):  # the base (unshifted) time grid position of a video sigma, in heads
+        return round((1.0 - s / (shift_v + s * (1.0 - shift_v))) * heads)
+    start, stop = min(grid_index(sigma), heads - 1), grid_index(sigma_next)
+    stop = max(stop, start + 1)
+    assert stop - start == heads // 8
+    bank = un.weights_from_spec(manifest["models"][un.model_key(model_opts)]["spec"], manifest["seed"])
+    model, _ = un.build_model(upstream, {})
+    sd = model.state_dict()
+    for stream, shift in (("video", shift_v), ("audio", shift_a)):
+        key = f"final_layer.{stream}_out"
+        sd[key + ".weight"], sd[key + ".bias"] = _pdd_head(bank[key + ".weight"], bank[key + ".bias"], heads, start, stop, shift)
+    model.load_state_dict(sd)
+    video, audio, _ = un.run_case(upstream, name, model=model)
+    _assert_matches(video, tensors[f"{name}.video"], name)
+    _assert_matches(audio, tensors[f"{name}.audio"], name)
+
+
 def test_vsa_gate_weights_load_and_leave_the_dense_forward_unchanged(comfyui_dir, reference):
     tensors, manifest = reference
     spec = {k: shape for k, shape, _ in manifest["models"][un.model_key({"gate_compress": True})]["spec"]}
