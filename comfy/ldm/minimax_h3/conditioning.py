@@ -1,13 +1,8 @@
 """H3's timestep domain and the per-segment conditioning derived from it.
 
-The sampler hands the model the *video* sigma (as ``timestep = sigma * 1000``); each token's
-timestep is ``t = 1 - sigma`` of its stream, the audio stream running on its own shifted schedule.
-Condition rows pin near t = 1 (their noise-augmentation level). The adaLN projections are
-evaluated once per distinct t ("unique-t rows"); each segment of the sequence then picks the row
-of its (t, modality tag) pair: mod row = t_row * 3 + tag, tags video 0 / text 1 / audio 2.
-
-All arithmetic here reproduces upstream's float32 tensor expressions exactly, so plans built on
-different ranks (or by upstream's model) agree to the bit.
+A token's t is 1 - sigma of its stream (the sampler passes the video sigma * 1000; audio runs on its
+own shifted schedule). adaLN rows are evaluated once per distinct t; a segment uses mod row
+t_row * 3 + tag (video 0, text 1, audio 2). All arithmetic matches upstream's float32 expressions.
 """
 
 import torch

@@ -1,10 +1,8 @@
 """PackedLayout: the static structure of H3's packed token sequence.
 
-The sequence is ``[text | keyframe cond rows | reference blocks | target audio | target video]``.
-Every row has a float64 (t, h, w) position; rows of the video kinds (cond, ref_img, video) are
-embedded from 2x2-patchified video latents, rows of the audio kinds (cond_audio, ref_audio, audio)
-from channel-major stereo audio latents. Condition rows always precede the target rows of their
-stream, so each stream is ``[condition rows | target rows]``.
+``[text | keyframe cond rows | reference blocks | target audio | target video]``, every row with a
+float64 (t, h, w) position. The video kinds (cond, ref_img, video) and the audio kinds (cond_audio,
+ref_audio, audio) each form one stream of latent rows, ``[condition rows | target rows]``.
 """
 
 import hashlib

@@ -10,7 +10,12 @@ import json
 import torch
 import torch.nn as nn
 
-from . import kernels
+import comfy.ldm.common_dit
+import comfy.model_management
+import comfy.model_prefetch
+import comfy.ops
+import comfy.patcher_extension
+
 from .conditioning import (AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, audio_carry, carried_audio_velocity, curve_t_emb, sigma_shifts,
                            video_sigma)
 from .embedding import (condition_rows, pack_audio, patchify_video, rope_angles, rope_rotation_table, stream_rows,
@@ -33,7 +38,7 @@ class MiniMaxH3Model(nn.Module):
                  adaln_curve_grid=None,
                  image_model=None, dtype=None, device=None, operations=None, **kwargs):
         super().__init__()
-        operations = operations or kernels.default_operations()
+        operations = operations or comfy.ops.disable_weight_init
         self.dtype = dtype
         self.hidden_size = hidden_size
         self.num_heads = num_attention_heads
@@ -89,7 +94,7 @@ class MiniMaxH3Model(nn.Module):
 
     def rope_freqs(self, position_ids, device):
         """[S, 3] float64 -> [S, 96] fp32 rope angles."""
-        return rope_angles(position_ids, kernels.cast_to(self.rope.inv_freq, device, torch.float32))
+        return rope_angles(position_ids, comfy.model_management.cast_to(self.rope.inv_freq, dtype=torch.float32, device=device))
 
     def _cond_video_rows(self, payload, device):
         """[rows, C*4] fp32 noise-augmented rows of the payload's visual condition latents, or None."""
@@ -115,8 +120,10 @@ class MiniMaxH3Model(nn.Module):
             sigma_v, sigma_a = audio_carry(timestep, *sigma_shifts(transformer_options, self.sigma_shift_video, self.sigma_shift_audio))
             carry = (sigma_a / sigma_v).to(audio_src.dtype)
             x = [x[0], audio_src * carry]
-        out = kernels.run_with_wrappers(self._forward, self, transformer_options,
-                                        x, timestep, context, transformer_options, minimax_payload=minimax_payload, **kwargs)
+        out = comfy.patcher_extension.WrapperExecutor.new_class_executor(
+            self._forward, self,
+            comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
+        ).execute(x, timestep, context, transformer_options, minimax_payload=minimax_payload, **kwargs)
         if scale != 1.0:
             out[1] = carried_audio_velocity(out[1], audio_src * carry, scale, sigma_a)
         return out
@@ -136,7 +143,7 @@ class MiniMaxH3Model(nn.Module):
         self.check_inputs(inputs)
         video, audio, context = inputs.video, inputs.audio, inputs.context
         orig_thw = tuple(video.shape[2:])
-        padded = tuple(n + (-n) % p for n, p in zip(orig_thw, self.patch_size))  # as kernels.pad_to_patch_size pads
+        padded = tuple(n + (-n) % p for n, p in zip(orig_thw, self.patch_size))  # as pad_to_patch_size pads it
         shifts = sigma_shifts(inputs.options, self.sigma_shift_video, self.sigma_shift_audio)
         return ForwardPlan.build(video.shape[:2] + padded, orig_thw, audio.shape, context.shape, float(video_sigma(inputs.timestep)),
                                  shifts, inputs.payload, self.model_key, self.hidden_size)
@@ -160,13 +167,13 @@ class MiniMaxH3Model(nn.Module):
         if self.use_adaln_curves:
             # adaln projections consume interpolated coordinates of the time-embedding curve
             # an fp32 buffer by construction; explicit, as the table meets fp32 activations whatever a loader stored
-            return curve_t_emb(kernels.cast_to(self.adaln_t_table, device, torch.float32), t_vals)
+            return curve_t_emb(comfy.model_management.cast_to(self.adaln_t_table, dtype=torch.float32, device=device), t_vals)
         return self.time_embedder(t_vals).to(dtype)
 
     def embed(self, plan, shard, inputs):
         """[shard.rows, hidden] input embeddings of the rows a shard holds."""
         video_x, audio_x, context, payload = inputs.video, inputs.audio, inputs.context, inputs.payload
-        video_x = kernels.pad_to_patch_size(video_x, self.patch_size)
+        video_x = comfy.ldm.common_dit.pad_to_patch_size(video_x, self.patch_size)
         device, dtype = video_x.device, context.dtype
         video = stream_rows(condition_rows(payload.get("cond_video_latents", []), self._patchify, plan.vis_aug, plan.seed, device),
                             patchify_video(video_x.to(torch.float32), self.patch_size), plan.layout.video_cond_rows, "video")
@@ -204,9 +211,9 @@ class MiniMaxH3Model(nn.Module):
         adaln = share([block.adaln_proj for block in self.blocks], t_emb) if share else [None] * len(self.blocks)
 
         blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
-        prefetch_queue = kernels.make_prefetch_queue(self.blocks, device, transformer_options)
+        prefetch_queue = comfy.model_prefetch.make_prefetch_queue(list(self.blocks), device, transformer_options)
         for i, block in enumerate(self.blocks):
-            kernels.prefetch_queue_pop(prefetch_queue, device, block)
+            comfy.model_prefetch.prefetch_queue_pop(prefetch_queue, device, block)
             if ("double_block", i) in blocks_replace:
                 def block_wrap(args, block=block, i=i):
                     return {"img": block(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
@@ -220,7 +227,7 @@ class MiniMaxH3Model(nn.Module):
                 h = block(h, t_emb, mod, rope, transformer_options=transformer_options, seq_parallel=seq_parallel,
                           adaln=adaln[i])
         if prefetch_queue is not None:
-            kernels.prefetch_queue_pop(prefetch_queue, device, None)
+            comfy.model_prefetch.prefetch_queue_pop(prefetch_queue, device, None)
         return self.final_layer(h, t_emb, shard.video_seg, shard.audio_seg)
 
     def unpack(self, plan, video_rows, audio_rows, video_dtype, audio_dtype):

@@ -6,6 +6,8 @@ below only ever see local segments, so they are the same for native and sharded 
 
 import torch
 
+import comfy.model_management
+
 from . import kernels
 
 
@@ -47,7 +49,7 @@ def norm_scale_shift(norm, x, shift, scale, segments):
     if not kernels.fused_adaln(x) or not covered or patched or getattr(norm, "eps", None) is None or norm.weight is None:
         return mod_scale_shift(norm(x), shift, scale, segments)
     # every mod row folded at once (a handful of [M, hidden] kernels; per-row folding costs launches that show at small shards)
-    w = kernels.cast_to(norm.weight, x.device, torch.float32)
+    w = comfy.model_management.cast_to(norm.weight, dtype=torch.float32, device=x.device)
     scale = (w * (1.0 + scale.float()) - 1.0).to(x.dtype)
     shift = shift.to(x.dtype)
     big = max(segments, key=lambda seg: seg[1] - seg[0])[2]

@@ -9,6 +9,9 @@ import math
 import torch
 import torch.nn as nn
 
+import comfy.model_management
+import comfy.ops
+
 from . import kernels
 from .modulation import mod_gate, norm_scale_shift
 
@@ -65,8 +68,8 @@ class Attention(nn.Module):
         if rope_freqs is None:
             return self.q_norm(q), self.k_norm(k)
         # the fused kernel takes its scales at q/k's dtype; stored ones may be fp8
-        qw = kernels.cast_to(self.q_norm.weight, qkv.device, qkv.dtype)
-        kw = kernels.cast_to(self.k_norm.weight, qkv.device, qkv.dtype)
+        qw = comfy.model_management.cast_to(self.q_norm.weight, dtype=qkv.dtype, device=qkv.device)
+        kw = comfy.model_management.cast_to(self.k_norm.weight, dtype=qkv.dtype, device=qkv.device)
         q, k = kernels.rms_rope_(q.unsqueeze(0), k.unsqueeze(0), rope_freqs, qw, kw, self.q_norm.eps)
         return q[0], k[0]
 
@@ -78,7 +81,7 @@ class MLP(nn.Module):
         self.fc2 = operations.Linear(ffn, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x):
-        return kernels.swiglu_linear(self.fc2, self.fc1(x))
+        return comfy.ops.linear_input_act(self.fc2, self.fc1(x), "swiglu")
 
 
 class AdalnProj(nn.Module):

@@ -1,9 +1,8 @@
 """ForwardPlan (everything one step derives from its inputs) and ShardPlan (one rank's view).
 
-Both are pure data, identical wherever they are built from the same inputs. A plan is built once
-per step on every rank; ``ForwardPlan.digest()`` lets ranks prove they agree before any collective.
-A ShardPlan says which rows a rank holds and rebases every row-indexed quantity onto them, so the
-model's per-token code never branches on the rank.
+Both are pure data, identical wherever they are built from the same inputs; ``ForwardPlan.digest()``
+lets ranks prove they agree before any collective. A ShardPlan rebases every row-indexed quantity
+onto the rows a rank holds, so the model's per-token code never branches on the rank.
 """
 
 import hashlib

@@ -1,17 +1,11 @@
 """Ulysses sequence parallelism for H3: the only place where H3 issues collectives. Internal.
 
-Each rank holds a contiguous, balanced block of rows (uneven by at most one row) and, inside
-attention, a balanced share of the heads (uneven by at most one head, so any world size up to the
-head count works without padding). Two all-to-alls per block, both with exact split sizes, so no
-padding row ever exists, let alone acts as a key:
+Each rank holds a balanced block of rows and, inside attention, a balanced share of the heads. Two
+all-to-alls per block, with exact split sizes (no padding row ever acts as a key), each cut by head
+into pipelined chunks (UlyssesAttention):
 
   packed q|k|v   [s_r, 3, H, D]   --all_to_all-->  [S, 3, h_r, D]   (S = sum of s_i)
   attention out  [S, h_r * D]     --all_to_all-->  [s_r, H * D]
-
-Both are cut by head into pipelined chunks so transfers overlap compute (UlyssesAttention). Once
-per step an all-gather shares the blocks' adaLN projections, each computed by one rank.
-
-With one rank nothing here is called: the model runs its native path.
 """
 
 import torch
@@ -21,7 +15,7 @@ from . import kernels
 from .plan import balanced_ranges
 
 
-# Pipeline depth of the attention all-to-alls (UlyssesAttention's `chunks`); see bench/results/h3_h200_overlap.json.
+# pipeline depth of the attention all-to-alls (UlyssesAttention's `chunks`)
 DEFAULT_CHUNKS = 2
 
 
@@ -66,15 +60,8 @@ class UlyssesAttention:
             self.chunk_span.append((ranges[0][0], ranges[-1][1]))
             self.chunk_heads.append(ranges)
 
-    def pack_heads(self, qkv):
-        """[s_r, 3, H, D] -> flat, chunk-major then rank-major, each piece [s_r, 3, h_jc, D] (all chunks)."""
-        send = torch.empty(qkv.numel(), dtype=qkv.dtype, device=qkv.device)
-        offsets = self._send_offsets(qkv.shape[0])
-        for c in range(self.chunks):
-            self._pack_chunk(send[offsets[c]:offsets[c + 1]], qkv, c)
-        return send
-
     def _send_offsets(self, s_r):
+        """Start of each chunk's pieces in the flat send buffer of s_r rows (chunk-major, then rank-major)."""
         offsets = [0]
         for sizes in self.chunk_sizes:
             offsets.append(offsets[-1] + s_r * 3 * sum(sizes) * self.head_dim)
@@ -105,10 +92,10 @@ class UlyssesAttention:
     def adaln_projections(self, projections, t_emb):
         """[p.project(t_emb) for p in projections], each computed by one rank and shared by one all-gather.
 
-        A block's adaLN projection depends only on the step's timesteps, yet it reads the largest
-        weight in the block (260 M of a DiT block's 646 M parameters); computed on every rank it is
-        replicated work that does not shrink with N. Rank r projects blocks r, r + N, ...; the
-        all-gather moves ceil(L / N) * N of the small [M, features] outputs (~20 MB a step for H3).
+        A block's adaLN projection depends only on the step's timesteps, yet it reads one of the
+        block's largest weights; computed on every rank it is replicated work that does not shrink
+        with N. Rank r projects blocks r, r + N, ...; the all-gather moves ceil(L / N) * N of the
+        small [M, features] outputs.
         """
         n, count = self.world_size, len(projections)
         mine = [p.project(t_emb) for p in projections[self.rank::n]]
