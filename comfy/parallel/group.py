@@ -47,6 +47,7 @@ import signal
 import tempfile
 import threading
 import time
+import traceback
 import weakref
 
 import torch
@@ -181,6 +182,7 @@ class ParallelGroup:
                         self._error = ParallelGroupError(f"start-up was interrupted: {exc!r}", rank=0,
                                                          log_dir=self._log_dir)
                 self._cond.notify_all()
+            _drop_frame_locals(exc)
             if err is exc:
                 raise
             raise err from exc
@@ -248,7 +250,12 @@ class ParallelGroup:
             runner = self._runner
             if self._state != "ready" or runner is None:
                 raise self._not_ready("run()")
-        return runner.run(op_name, tensors or {}, meta or {}, timeout or self.timeouts.op)
+        try:
+            return runner.run(op_name, tensors or {}, meta or {}, timeout or self.timeouts.op)
+        except BaseException as e:
+            if self._state != "ready":
+                _drop_frame_locals(e)
+            raise
 
     def cancel(self):
         """Ask the op in flight to stop; returns at once (True if an op was in flight). Thread-safe."""
@@ -368,6 +375,9 @@ class ParallelGroup:
             for w in workers:
                 w.close_fds()
             self._workers = []
+        if self._runner is not None:
+            # an op may have kept ctx (or a caller the error that references it); the groups go regardless
+            self._runner.ctx.data_group = self._runner.ctx.control_group = None
         self._control_group = None
         self._store = None
         if self._store_dir is not None:
@@ -425,6 +435,20 @@ def _temp_root(create=False):
     if create:
         os.makedirs(root, exist_ok=True)
     return root
+
+
+def _drop_frame_locals(exc):
+    """Clear the locals of the finished frames in ``exc``'s traceback chain. They hold the process
+    groups the failed collectives ran on, and a gloo group keeps its sockets open for as long as
+    anything references it; the traceback text stays."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def _wait_all(workers, timeout):

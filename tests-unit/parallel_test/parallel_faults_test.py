@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from parallel_helpers import OPS_MODULE, pid_gone, spec, wait_until
+from parallel_helpers import OPS_MODULE, listening_sockets, pid_gone, spec, wait_until
 
 from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelOpError, ParallelStateError, ParallelTimeout, Timeouts
 from comfy.parallel import errors
@@ -336,6 +336,28 @@ def test_close_after_fault_is_idempotent(tmp_path):
     g.close()
     g.close()
     assert g.state == "closed"
+
+
+@pytest.mark.parametrize("fault", ["worker_killed", "raised_on_rank0", "raised_on_worker"])
+def test_close_after_a_fault_releases_every_socket_while_the_error_is_held(tmp_path, fault):
+    """The caller keeps the error (its traceback reaches into the collectives that failed); close()
+    must still destroy the process groups, so nothing of this group listens afterwards."""
+    before = set(listening_sockets([os.getpid()]))
+    g = ParallelGroup("held-error", log_dir=str(tmp_path))
+    g.start(["cpu", "cpu", "cpu"], spec())
+    assert set(listening_sockets([os.getpid()])) - before, "gloo listens while the group is up"
+    if fault == "worker_killed":
+        timer = kill_later(g.worker_pids()[1], 0.5)
+        with pytest.raises(ParallelGroupError) as info:
+            g.run("test.wait_for_cancel", meta={"seconds": 30})
+        timer.join()
+    else:
+        with pytest.raises(ParallelOpError) as info:
+            g.run("test.raise_on", meta={"rank": 0 if fault == "raised_on_rank0" else 1})
+    held = info.value
+    g.close()
+    assert held.__traceback__ is not None
+    assert set(listening_sockets([os.getpid()])) - before == set()
 
 
 def test_close_from_another_thread_during_startup(tmp_path):
