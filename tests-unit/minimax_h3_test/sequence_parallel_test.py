@@ -16,7 +16,7 @@ import pytest
 from comfy import model_patcher_snapshot as snapshots
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel
-from comfy.parallel import ParallelCancelled, ParallelGroupError, Timeouts, headless
+from comfy.parallel import ParallelCancelled, ParallelGroupError, PreflightMismatch, Timeouts, headless
 from h3_cases import tiny_model
 from h3_files import INPUT_KINDS, step_inputs, write_h3_file
 
@@ -104,4 +104,54 @@ def test_killed_worker_gives_a_clear_error_and_recovers(sp_group):
     with pytest.raises(snapshots.SnapshotNotAcked):
         _step(rank0, cfg, opts)
     sp.prepare(base)
+    assert _rel(_step(rank0, cfg, opts), _step(rank0, cfg)) <= TOL
+
+
+def test_bad_inputs_are_refused_on_rank0_and_the_same_workers_run_the_next_step(sp_group, monkeypatch):
+    # everything input-derived that could fail inside the step is checked while rank 0 builds the plan,
+    # before anything is sent: one rank failing inside a step would break the group and restart every worker
+    from comfy.ldm.minimax_h3 import kernels
+    sp, rank0, base, cfg = sp_group
+    sp.prepare(base)
+    opts = {SEQUENCE_PARALLEL_OPTION: sp}
+    pids = sp.group.worker_pids()
+    x, t, c, p = step_inputs(cfg, "keyframes", height=5)
+    audio_conds = p["cond_audio_latents"]
+    bad = [
+        (dict(p, seed=2**70), {}, r"minimax_payload\['seed'\] 1180591620717411303424 is out of range for the video"),
+        # the audio condition noise is seeded with seed + 1: a valid 64-bit seed can still overflow it
+        (dict(p, seed=2**64 - 1), {}, r"out of range for the audio condition noise \(it seeds a torch.Generator with 18446744073709551616\)"),
+        (dict(p, cond_video_latents=p["cond_video_latents"][:1]), {}, "layout expects .* video condition rows but the conditioning latents give"),
+        (dict(p, cond_audio_latents=[z[:, :16] for z in audio_conds]), {}, r"\['cond_audio_latents'\]\[0\] must be a 4-d latent with 32"),
+        (p, {"patches_replace": {"dit": {("double_block", 0): lambda args, extra: args}}}, "cannot run block replacement patches"),
+    ]
+    for payload, extra, message in bad:
+        with pytest.raises(ValueError, match=message):
+            rank0(x, t, c, dict(opts, **extra), minimax_payload=payload)
+        assert sp.group.state == "ready" and sp.group.worker_pids() == pids, message
+    # an attention function swapped on rank 0 only (the re-export's optimized_attention) is refused the same way
+    monkeypatch.setattr(kernels, "optimized_attention", lambda *args, **kwargs: None)
+    with pytest.raises(ValueError, match="attention function was replaced on rank 0"):
+        rank0(x, t, c, dict(opts), minimax_payload=p)
+    monkeypatch.undo()
+    assert sp.steps_run == 0 and sp.group.worker_pids() == pids
+    assert _rel(rank0(x, t, c, dict(opts), minimax_payload=p), rank0(x, t, c, {}, minimax_payload=p)) <= TOL
+    assert sp.steps_run == 1 and sp.group.worker_pids() == pids
+
+
+def test_a_rank_on_another_patch_version_refuses_the_step_before_its_shard_runs(sp_group):
+    # the forward's preflight covers the patch version every rank holds: rank 0 is made to believe it
+    # holds another one than the snapshot the workers acked (as if a sync had not landed)
+    sp, rank0, base, cfg = sp_group
+    sp.prepare(base)
+    opts = {SEQUENCE_PARALLEL_OPTION: sp}
+    pids = sp.group.worker_pids()
+    held = sp._rank0["patch_version"]
+    sp._rank0["patch_version"] = ("another lineage", held[1])
+    try:
+        with pytest.raises(PreflightMismatch, match=r"ranks \[1, 2\] computed a different preflight digest"):
+            _step(rank0, cfg, opts)
+    finally:
+        sp._rank0["patch_version"] = held
+    assert sp.group.state == "ready" and sp.group.worker_pids() == pids
     assert _rel(_step(rank0, cfg, opts), _step(rank0, cfg)) <= TOL

@@ -58,13 +58,16 @@ def condition_rows(latents, to_rows, aug, seed, device):
     return torch.cat(rows, dim=0) if rows else None
 
 
-def stream_rows(cond_rows, target_rows, n_cond, what):
-    """[condition rows | target rows] of one stream, checked against the layout's count."""
-    found = 0 if cond_rows is None else cond_rows.shape[0]
+def check_condition_rows(n_cond, found, what):
     if found != n_cond:
         raise ValueError(f"MiniMax H3 layout expects {n_cond} {what} condition rows but the conditioning latents give "
                          f"{found}: keyframe/reference latents and their declared sizes (latent_t/h/w, ref_audio_t) "
                          "must match")
+
+
+def stream_rows(cond_rows, target_rows, n_cond, what):
+    """[condition rows | target rows] of one stream, checked against the layout's count."""
+    check_condition_rows(n_cond, 0 if cond_rows is None else cond_rows.shape[0], what)
     return target_rows if cond_rows is None else torch.cat([cond_rows, target_rows], dim=0)
 
 

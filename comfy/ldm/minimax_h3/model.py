@@ -18,7 +18,7 @@ import comfy.patcher_extension
 
 from .conditioning import (AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, audio_carry, carried_audio_velocity, curve_t_emb, sigma_shifts,
                            video_sigma)
-from .embedding import (condition_rows, pack_audio, patchify_video, rope_angles, rope_rotation_table, stream_rows,
+from .embedding import (check_condition_rows, condition_rows, pack_audio, patchify_video, rope_angles, rope_rotation_table, stream_rows,
                         unpack_audio, unpatchify_video)
 from .modules import DiTBlock, FinalLayer, TimeEmbedder, TokenRefiner
 from .plan import ForwardPlan
@@ -145,8 +145,10 @@ class MiniMaxH3Model(nn.Module):
         orig_thw = tuple(video.shape[2:])
         padded = tuple(n + (-n) % p for n, p in zip(orig_thw, self.patch_size))  # as pad_to_patch_size pads it
         shifts = sigma_shifts(inputs.options, self.sigma_shift_video, self.sigma_shift_audio)
-        return ForwardPlan.build(video.shape[:2] + padded, orig_thw, audio.shape, context.shape, float(video_sigma(inputs.timestep)),
+        plan = ForwardPlan.build(video.shape[:2] + padded, orig_thw, audio.shape, context.shape, float(video_sigma(inputs.timestep)),
                                  shifts, inputs.payload, self.model_key, self.hidden_size)
+        self.check_conditions(plan, inputs.payload)
+        return plan
 
     def check_inputs(self, inputs):
         video_x, audio_x, context = inputs.video, inputs.audio, inputs.context
@@ -160,6 +162,33 @@ class MiniMaxH3Model(nn.Module):
         if context.ndim != 3 or context.shape[-1] not in (self.text_dim, self.hidden_size):
             raise ValueError(f"MiniMax H3 expects context [1, L, {self.text_dim}] (Qwen states) or [1, L, {self.hidden_size}] "
                              f"(refined); got {tuple(context.shape)}")
+
+    def check_conditions(self, plan, payload):
+        """Refuse what embed() could only fail on, while the plan is built: under sequence parallelism
+        that is on rank 0 before anything is sent, so no rank fails inside a step."""
+        streams = (("video", "cond_video_latents", 5, self.latents_dim, plan.vis_aug, plan.seed),
+                   ("audio", "cond_audio_latents", 4, self.audio_latents_dim, plan.aud_aug, plan.seed + 1))
+        for what, key, ndim, channels, aug, seed in streams:
+            latents = payload.get(key, [])
+            for i, z in enumerate(latents):
+                if not isinstance(z, torch.Tensor) or z.ndim != ndim or z.shape[1] != channels:
+                    shape = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+                    raise ValueError(f"MiniMax H3 minimax_payload['{key}'][{i}] must be a {ndim}-d latent with {channels} "
+                                     f"channels; got {shape}: pass the {what} VAE's latent of the keyframe or reference")
+            if what == "video":
+                pt, ph, pw = self.patch_size
+                bad = [i for i, z in enumerate(latents) if z.shape[2] % pt or z.shape[3] % ph or z.shape[4] % pw]
+                if bad:
+                    raise ValueError(f"MiniMax H3 minimax_payload['{key}'] latents {bad} have a size that is not a multiple of "
+                                     f"the patch {self.patch_size} (T, H, W): pad them as the target latent is padded")
+                found = sum(z.shape[0] * z.shape[2] // pt * (z.shape[3] // ph) * (z.shape[4] // pw) for z in latents)
+            else:
+                found = sum(z.shape[2] * z.shape[3] for z in latents)  # pack_audio's rows
+            check_condition_rows(getattr(plan.layout, f"{what}_cond_rows"), found, what)
+            # the noise augmentation seeds a torch.Generator with it, which takes [-2**63, 2**64 - 1]
+            if latents and aug < 1.0 and not -2**63 <= seed < 2**64:
+                raise ValueError(f"MiniMax H3 minimax_payload['seed'] {plan.seed} is out of range for the {what} condition "
+                                 f"noise (it seeds a torch.Generator with {seed}): use a seed in [-2**63, 2**64 - 2]")
 
     def time_embedding(self, plan, device, dtype):
         """[n_unique_t, t_dim] embedding of the step's distinct timesteps."""

@@ -19,6 +19,7 @@ import comfy.ops
 from comfy import model_patcher_snapshot as snapshots
 from comfy.parallel import ParallelGroup, headless, register_op
 
+from . import kernels
 from .step_io import StepInputs
 from .ulysses import DEFAULT_CHUNKS, sharded_forward
 
@@ -157,6 +158,12 @@ class SequenceParallel:
         if self.synced is None:
             raise snapshots.SnapshotNotAcked("no patch snapshot has been synced to the sequence-parallel ranks; "
                                              "call prepare() (the node does this before sampling) before running steps")
+        swapped = kernels.optimized_attention
+        if swapped is not comfy.ldm.modules.attention.optimized_attention:
+            raise ValueError(f"H3's attention function was replaced on rank 0 ({getattr(swapped, '__name__', swapped)!s}, e.g. by "
+                             "a custom node setting comfy.ldm.minimax.model.optimized_attention); the sequence-parallel workers "
+                             "cannot run it. Select the attention with ModelAttentionBackend or ComfyUI's attention flags, "
+                             "or run without the sequence-parallel node")
         options = dict(inputs.options)
         override = options.pop("optimized_attention_override", None)
         tensors, step = dataclasses.replace(inputs, options=options).encode()
