@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 _live = weakref.WeakSet()
 
 ACTIVE_STATES = ("starting", "ready", "running")
+# at interpreter exit, how long close() waits for the thread of an op in flight after killing the workers
+EXIT_GRACE = 1.0
 
 
 class ParallelGroup:
@@ -278,6 +280,10 @@ class ParallelGroup:
     def close(self):
         """Stop every worker (graceful when idle, SIGTERM then SIGKILL otherwise), destroy the process groups,
         close the store. Idempotent; also runs at interpreter exit and is safe after any fault."""
+        self._close(self.timeouts.rendezvous + self.timeouts.close)
+
+    def _close(self, caller_grace):
+        """close(); waits up to ``caller_grace`` s for a start() or run() in flight on another thread to return."""
         with self._cond:
             state = self._state
             if state in ("idle", "closed"):
@@ -292,7 +298,7 @@ class ParallelGroup:
             # start() or run() is in flight on another thread: killing its peers unblocks any collective
             # it waits in (a process-group rendezvous only ends with Timeouts.rendezvous)
             self._kill_workers()
-            if not self._idle.wait(self.timeouts.rendezvous + self.timeouts.close):
+            if not self._idle.wait(caller_grace):
                 logger.error("group %r: the thread in %s() did not return; tearing down under it", self.name, state)
         self._teardown(graceful=state == "ready")
         self._release_log_dir()
@@ -457,11 +463,17 @@ def _wait_all(workers, timeout):
         w.wait(max(0.0, deadline - time.monotonic()))
 
 
-@atexit.register
 def _close_all_at_exit():
+    # the thread of an op in flight (ComfyUI's prompt thread is a daemon) ends with the interpreter:
+    # kill the workers and tear down without waiting out its deadline
     for group in list(_live):
         try:
-            group.close()
+            group._close(caller_grace=EXIT_GRACE)
         except Exception:
             logger.exception("closing parallel group %r at exit failed", group.name)
+
+
+# threading's exit hooks run before non-daemon threads are joined (atexit's only after), so an op in
+# flight on such a thread is ended here rather than waited for (concurrent.futures does the same)
+getattr(threading, "_register_atexit", atexit.register)(_close_all_at_exit)
 

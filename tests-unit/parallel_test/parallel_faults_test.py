@@ -24,6 +24,8 @@ from comfy.parallel import errors
 from comfy.parallel.protocol import MAGIC, canonical_json, encode, request_digest
 
 DETECT_BOUND = 3.0
+# interpreter exit with an op in flight, under load
+EXIT_BOUND = 15.0
 
 
 def kill_later(pid, delay):
@@ -322,6 +324,41 @@ def test_workers_exit_when_rank0_dies_while_a_forked_helper_holds_the_pipes(tmp_
                 os.kill(helper, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+_EXIT_WITH_OP = textwrap.dedent("""
+    import sys, threading
+    from comfy.parallel import ParallelGroup
+    started = threading.Event()
+    g = ParallelGroup("exit", log_dir=sys.argv[1])
+    g.start(["cpu", "cpu", "cpu"], {"imports": [%r]}, local_state={"started": started})
+    op = sys.argv[2]
+    threading.Thread(target=g.run, args=(op,), kwargs={"meta": {"seconds": 300}}, daemon=op == "test.rank0_busy").start()
+    started.wait(20)
+    print(" ".join(str(p) for p in g.worker_pids().values()), flush=True)
+""" % OPS_MODULE)
+
+
+@pytest.mark.parametrize("op", ["test.rank0_busy", "test.workers_sleep"])
+def test_interpreter_exit_with_an_op_in_flight_tears_down_promptly(tmp_path, op):
+    """rank 0 returns from main while an op runs on another thread: on a daemon thread (ComfyUI's prompt
+    thread) whose rank-0 part computes, or on a non-daemon thread that waits in a collective. Either
+    way the process is gone within EXIT_BOUND and no worker survives it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", _EXIT_WITH_OP, str(tmp_path), op],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        returned = time.monotonic()
+        assert len(pids) == 2, proc.stderr.read().decode()
+        proc.wait(timeout=EXIT_BOUND + 30)
+        assert time.monotonic() - returned < EXIT_BOUND
+        assert wait_until(lambda: all(pid_gone(p) for p in pids), DETECT_BOUND) is not None, f"workers {pids} outlived rank 0"
+    finally:
         proc.kill()
         proc.wait()
         proc.stdout.close()

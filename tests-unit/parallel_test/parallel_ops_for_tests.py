@@ -63,6 +63,19 @@ def workers_sleep(ctx, tensors, meta):
     return {}, {}
 
 
+@register_op("test.rank0_busy")
+def rank0_busy(ctx, tensors, meta):
+    """Rank 0 computes for ``seconds`` outside any collective (killing the workers cannot end that);
+    workers wait for it in a barrier."""
+    started = ctx.state.get("started")
+    if started is not None:
+        started.set()
+    if ctx.rank == 0:
+        time.sleep(meta.get("seconds", 30.0))
+    dist.barrier(group=ctx.control_group)
+    return {}, {}
+
+
 @register_op("test.raise_on")
 def raise_on(ctx, tensors, meta):
     """Raises ValueError on rank ``meta['rank']`` (the others wait in a collective)."""
