@@ -9,7 +9,7 @@ flash-first and cuDNN-first attention against the same block in fp32 (error of i
 
 import torch
 
-from h3_gpu_common import main
+from h3_gpu_common import cudnn_first_priority, main
 
 
 def section_accuracy(ours, out, seq=15356):
@@ -18,7 +18,8 @@ def section_accuracy(ours, out, seq=15356):
 
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from comfy.ldm.minimax_h3 import kernels
+
+    import comfy.ops
     from comfy.ldm.minimax_h3.embedding import rope_rotation_table
     heads, dim, hidden = 56, 128, 5376
     g = torch.Generator("cuda").manual_seed(7)
@@ -44,12 +45,12 @@ def section_accuracy(ours, out, seq=15356):
         angles = torch.randn(seq, 96, generator=g, device="cuda") * 3
         mods = [(0, 512, 1), (512, 1000, 5), (1000, seq, 0)]
         ref = block32(h.clone(), t_emb, mods, rope_rotation_table(angles, torch.float32), {})
-        saved = kernels.SDPA_PRIORITY
+        saved = cudnn_first_priority()
         for name, first in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-            kernels.SDPA_PRIORITY = [first] + [b for b in saved if b != first]
+            comfy.ops.SDPA_BACKEND_PRIORITY = [first] + [b for b in saved if b != first]
             outb = block(h.bfloat16(), t_emb.bfloat16(), mods, rope_rotation_table(angles, torch.bfloat16), {})
             res[f"block_{name}_bf16_rel_err_vs_fp32"] = rel(outb - h.bfloat16(), ref - h)  # error of the block's update
-        kernels.SDPA_PRIORITY = saved
+        comfy.ops.SDPA_BACKEND_PRIORITY = saved
         del block32
     out["accuracy"] = {"seq": seq, "note": "relative L2 error vs fp64 (attention) / fp32 (block update x_out - x_in) "
                                             "references; random inputs", "results": res}

@@ -45,6 +45,18 @@ def cuda_time(fn, warmup=2, iters=5, budget_s=20.0):
     return {"median_s": times[len(times) // 2], "min_s": times[0], "max_s": times[-1], "n": len(times)}
 
 
+def cudnn_first_priority():
+    """ComfyUI's SDPA backend order with cuDNN first: what patch 0005 makes the default on Hopper and newer.
+
+    Sets ``comfy.ops.SDPA_BACKEND_PRIORITY`` (read on every attention call) and returns it.
+    """
+    import comfy.ops
+    from torch.nn.attention import SDPBackend
+    order = [SDPBackend.CUDNN_ATTENTION] + [b for b in comfy.ops.SDPA_BACKEND_PRIORITY if b != SDPBackend.CUDNN_ATTENTION]
+    comfy.ops.SDPA_BACKEND_PRIORITY = order
+    return order
+
+
 def init_random_(model, seed=0):
     gen = torch.Generator("cuda").manual_seed(seed)
     for name, t in model.state_dict().items():

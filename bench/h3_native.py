@@ -11,10 +11,12 @@ import time
 
 import torch
 
-from h3_gpu_common import inputs, cuda_time, main
+from h3_gpu_common import cudnn_first_priority, inputs, cuda_time, main
 
 
 def section_native(res_list, theirs, ours, out, save=lambda: None):
+    import comfy.ops
+    from torch.nn.attention import SDPBackend
     import comfy.ldm.minimax.model as upstream
     from comfy.ldm.minimax_h3.layout import PackedLayout
     rows = out["native"] = {}
@@ -24,18 +26,20 @@ def section_native(res_list, theirs, ours, out, save=lambda: None):
         pt = {"layout": upstream.PackedLayout(*sig), "seed": 0}
         po = {"layout": PackedLayout(*sig), "seed": 0}
         from comfy.ldm.minimax_h3 import kernels
-        cudnn_first = kernels.SDPA_PRIORITY
-        flash_first = [kernels.SDPBackend.FLASH_ATTENTION] + [b for b in cudnn_first if b != kernels.SDPBackend.FLASH_ATTENTION]
+        stock = list(comfy.ops.SDPA_BACKEND_PRIORITY)  # ComfyUI's order without patch 0005 (flash first)
+        cudnn_first = cudnn_first_priority()
+        flash_first = [SDPBackend.FLASH_ATTENTION] + [b for b in cudnn_first if b != SDPBackend.FLASH_ATTENTION]
 
         def rel(a, b):
             return max(float((u.float() - v.float()).abs().max() / v.float().abs().max()) for u, v in zip(a, b))
 
         with torch.no_grad():
+            comfy.ops.SDPA_BACKEND_PRIORITY = stock
             a = theirs._forward(x, t, c, {}, minimax_payload=pt)
             a2 = theirs._forward(x, t, c, {}, minimax_payload=pt)
-            kernels.SDPA_PRIORITY = flash_first
+            comfy.ops.SDPA_BACKEND_PRIORITY = flash_first
             b_flash = ours._forward(x, t, c, {}, minimax_payload=po)
-            kernels.SDPA_PRIORITY = cudnn_first
+            comfy.ops.SDPA_BACKEND_PRIORITY = cudnn_first
             b = ours._forward(x, t, c, {}, minimax_payload=po)
             result = {"tokens": PackedLayout(*sig).seq_len,
                       "rel_diff_upstream_run_to_run": rel(a2, a),
@@ -43,17 +47,17 @@ def section_native(res_list, theirs, ours, out, save=lambda: None):
                       "rel_diff_ours_cudnn_vs_upstream": rel(b, a),
                       "output_max_abs": max(float(u.float().abs().max()) for u in a)}
             del a, a2, b, b_flash
-            runs = (("upstream", theirs, pt, cudnn_first), ("ours", ours, po, cudnn_first), ("ours_flash", ours, po, flash_first),
-                    ("ours_unfused_adaln", ours, po, cudnn_first), ("upstream_2", theirs, pt, cudnn_first),
+            runs = (("upstream", theirs, pt, stock), ("ours", ours, po, cudnn_first), ("ours_flash", ours, po, flash_first),
+                    ("ours_unfused_adaln", ours, po, cudnn_first), ("upstream_2", theirs, pt, stock),
                     ("ours_2", ours, po, cudnn_first))
             fused = kernels.fused_adaln
             for name, model, p, prio in runs:
-                kernels.SDPA_PRIORITY = prio
+                comfy.ops.SDPA_BACKEND_PRIORITY = prio
                 kernels.fused_adaln = (lambda x: False) if name == "ours_unfused_adaln" else fused
                 torch.cuda.reset_peak_memory_stats()
                 result[name] = cuda_time(lambda: model._forward(x, t, c, {}, minimax_payload=p))
                 result[name]["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            kernels.SDPA_PRIORITY = cudnn_first
+            comfy.ops.SDPA_BACKEND_PRIORITY = cudnn_first
             kernels.fused_adaln = fused
             # the plan is pure CPU work done once per step on every rank
             plan_t = time.perf_counter()

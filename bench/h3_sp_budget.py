@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from h3_gpu_common import ROOT, capture, cuda_time, emulated_ulysses, gpu_kernel_s, kernel_spans, main, pack_heads, rank_ulysses, tokens
+from h3_gpu_common import cudnn_first_priority, ROOT, capture, cuda_time, emulated_ulysses, gpu_kernel_s, kernel_spans, main, pack_heads, rank_ulysses, tokens
 
 
 BUDGET_NOTE = ("GPU kernel time (profiler) of each op of one DiT block (layer 0 weights, bf16) at the rows and heads rank 0 of an "
@@ -56,6 +56,8 @@ def steady_blocks(block, x, t_emb, mods, rope, sp, repeat=8):
 
 def section_budget(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), chunks=None):
     """Where a rank's block time goes, op by op, against the native block split N ways."""
+    import comfy.ops
+    from torch.nn.attention import SDPBackend
     from comfy.ldm.minimax_h3 import kernels
     from comfy.ldm.minimax_h3.embedding import rope_rotation_table
     from comfy.ldm.minimax_h3.modulation import mod_gate, norm_scale_shift
@@ -66,8 +68,8 @@ def section_budget(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), 
     rows = out["budget"] = {"note": BUDGET_NOTE.format(chunks=chunks), "chunks": chunks, "resolutions": {}}
     g = torch.Generator("cuda").manual_seed(11)
     t_emb = torch.randn(2, 2688, generator=g, device="cuda").bfloat16()
-    cudnn_first = kernels.SDPA_PRIORITY
-    flash_first = [kernels.SDPBackend.FLASH_ATTENTION] + [b for b in cudnn_first if b != kernels.SDPBackend.FLASH_ATTENTION]
+    cudnn_first = cudnn_first_priority()
+    flash_first = [SDPBackend.FLASH_ATTENTION] + [b for b in cudnn_first if b != SDPBackend.FLASH_ATTENTION]
     with torch.no_grad():
         shift, scale, gate = (t[:2] for t in block.adaln_proj(t_emb)[:3])
         for res in res_list:
@@ -113,9 +115,9 @@ def section_budget(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), 
                 r = {"rows": s, "heads": h_r, "ops": {}}
                 for name, (fn, count) in ops.items():
                     r["ops"][name] = {"s": gpu_kernel_s(fn), "count": count}
-                kernels.SDPA_PRIORITY = flash_first
+                comfy.ops.SDPA_BACKEND_PRIORITY = flash_first
                 r["attention_flash_first_s"] = gpu_kernel_s(attention)
-                kernels.SDPA_PRIORITY = cudnn_first
+                comfy.ops.SDPA_BACKEND_PRIORITY = cudnn_first
                 r["gate_residual_clone_s"] = gpu_kernel_s(lambda: x.clone())  # the clone inside the gate_residual timing
                 r["ops"]["gate_residual"]["s"] -= r["gate_residual_clone_s"]
                 emu = emulated_ulysses(world, seq, heads, dim, chunks, None) if world > 1 else None

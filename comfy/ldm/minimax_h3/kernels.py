@@ -1,41 +1,22 @@
-"""H3's own kernel choices: attention (cuDNN first when ComfyUI runs PyTorch SDPA), the fused q/k
-RMSNorm + rope and the fused RMSNorm + adaLN of comfy_kitchen. Internal.
+"""H3's kernel calls: attention through ComfyUI's selection, the fused q/k RMSNorm + rope and the
+fused RMSNorm + adaLN of comfy_kitchen. Internal.
 
 ``optimized_attention`` is looked up on every call, so replacing it here (or through the
 ``comfy.ldm.minimax.model`` re-export, as custom nodes do) changes the attention H3 runs.
 """
 
-import inspect
-
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-import comfy.ldm.modules.attention
 import comfy.model_management
 import comfy.quant_ops
 from comfy.ldm.modules.attention import AttentionTensorContainer, optimized_attention
 
-# H3's attention (many 128-dim heads, long sequences, no mask) is faster on cuDNN than on flash;
-# ComfyUI's generic SDPA wrapper puts flash first for every model
-SDPA_PRIORITY = None
-if "set_priority" in inspect.signature(sdpa_kernel).parameters:
-    SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _own_sdpa(q, transformer_options):
-    """Use H3's SDPA backend priority: on CUDA, unless ComfyUI runs another attention backend
-    (sage, flash-attn, xformers, split) or an override asks for something else."""
-    return (SDPA_PRIORITY is not None and q.is_cuda and optimized_attention is comfy.ldm.modules.attention.attention_pytorch
-            and "optimized_attention_override" not in transformer_options)
-
 
 def attention(q, k, v, heads, transformer_options):
-    """[S, h, D] q, k, v (any strides, never modified) -> [S, h*D]; no mask, every row is a key."""
+    """[S, h, D] q, k, v (any strides, never modified) -> [S, h*D]; no mask, every row is a key.
+
+    ComfyUI picks the backend (start-up flags, the attention-backend node's override; PyTorch SDPA's
+    backend order is ``comfy.ops.SDPA_BACKEND_PRIORITY``).
+    """
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, D]
-    if _own_sdpa(q, transformer_options):
-        with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
-            out = F.scaled_dot_product_attention(q, k, v)
-        return out.transpose(1, 2).reshape(q.shape[2], heads * q.shape[3])
     # ComfyUI's backends may take ownership of the containers' tensors: v gets its own storage, as upstream does
     out = optimized_attention(AttentionTensorContainer(q), AttentionTensorContainer(k), AttentionTensorContainer(v.clone()),
                               heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
