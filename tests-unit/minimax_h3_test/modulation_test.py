@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from comfy.ldm.minimax_h3 import kernels
-from comfy.ldm.minimax_h3.modulation import mod_scale_shift, norm_scale_shift
+from comfy.ldm.minimax_h3.modulation import norm_scale_shift
 from h3_cases import plan_for, tiny_model
 
 
@@ -21,6 +21,15 @@ def _norm(hidden, seed):
     return norm
 
 
+def _by_hand(weight, eps, x, shift, scale, segments):
+    """The unfused formula written out: rmsnorm(x) * weight, then * (1 + scale[row]) + shift[row] on each
+    segment's rows (rows of no segment keep the norm alone)."""
+    h = torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)
+    for a, b, row in segments:
+        h[a:b] = h[a:b] * (1.0 + scale[row]) + shift[row]
+    return h
+
+
 @pytest.mark.parametrize("segments", [[(0, 5, 2), (5, 9, 0), (9, 40, 1)], [(0, 40, 3)], [(0, 3, 1), (3, 30, 0), (30, 40, 1)]])
 def test_fused_matches_unfused(monkeypatch, segments):
     g = torch.Generator().manual_seed(0)
@@ -28,7 +37,7 @@ def test_fused_matches_unfused(monkeypatch, segments):
     shift, scale = torch.randn(4, 32, generator=g), 0.2 * torch.randn(4, 32, generator=g)
     norm = _norm(32, 1)
     with torch.no_grad():
-        ref = mod_scale_shift(norm(x), shift, scale, segments)
+        ref = _by_hand(norm.weight, norm.eps, x, shift, scale, segments)
         monkeypatch.setattr(kernels, "fused_adaln", lambda t: True)
         got = norm_scale_shift(norm, x, shift, scale, segments)
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -39,18 +48,18 @@ def test_unfused_on_cpu_and_when_rows_are_not_covered(monkeypatch):
     x = torch.randn(10, 16, generator=g)
     shift, scale = torch.randn(2, 16, generator=g), torch.randn(2, 16, generator=g)
     norm = _norm(16, 2)
+    full, gaps = [(0, 6, 0), (6, 10, 1)], [(0, 4, 0), (6, 10, 1)]
     with torch.no_grad():
-        ref = mod_scale_shift(norm(x), shift, scale, [(0, 4, 0), (6, 10, 1)])
-        assert torch.equal(norm_scale_shift(norm, x, shift, scale, [(0, 4, 0), (6, 10, 1)]), ref)  # CPU: not fused
+        # CPU: the unfused ops, bit for bit (every row covered, so only the device keeps the fused kernel out)
+        assert torch.equal(norm_scale_shift(norm, x, shift, scale, full), _by_hand(norm.weight, norm.eps, x, shift, scale, full))
         monkeypatch.setattr(kernels, "fused_adaln", lambda t: True)
-        # rows 4..5 carry no modulation: the fused whole-row pass would be wrong, so the ops stay unfused
-        assert torch.equal(norm_scale_shift(norm, x, shift, scale, [(0, 4, 0), (6, 10, 1)]), ref)
+        # rows 4..5 carry no modulation: the fused whole-row pass would modulate them, so the ops stay unfused
+        assert torch.equal(norm_scale_shift(norm, x, shift, scale, gaps), _by_hand(norm.weight, norm.eps, x, shift, scale, gaps))
         # a forward-time weight patch (ComfyUI's low-VRAM LoRA path) lives in the norm's own forward: unfused
-        full = [(0, 6, 0), (6, 10, 1)]
         patched_norm = _norm(16, 2)
         patched_norm.weight_function = [lambda w: w * 2.0]
         patched_norm.forward = lambda t: torch.nn.functional.rms_norm(t, (16,), patched_norm.weight_function[0](patched_norm.weight), 1e-6)
-        expect = mod_scale_shift(patched_norm(x), shift, scale, full)
+        expect = _by_hand(2.0 * patched_norm.weight, 1e-6, x, shift, scale, full)
         assert torch.equal(norm_scale_shift(patched_norm, x, shift, scale, full), expect)
 
 

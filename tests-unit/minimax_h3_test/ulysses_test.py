@@ -79,10 +79,13 @@ def test_chunk_heads_cover_every_head_in_order(heads, world, chunks, expect):
         order = [sp.chunk_heads[c][j] for c in range(sp.chunks) for j in range(world)]
         assert [h for a, b in order for h in range(a, b)] == list(range(heads))
         assert all(b > a for ranges in sp.chunk_heads for a, b in ranges)
-        # each chunk is one contiguous span of the global heads (prepare() gets one slice per chunk)
-        assert sp.chunk_span == [(ranges[0][0], ranges[-1][1]) for ranges in sp.chunk_heads]
-        # every rank holds the ShardPlan's head count; with one chunk, exactly its head range
-        assert [sum(sp.chunk_sizes[c][j] for c in range(sp.chunks)) for j in range(world)] == sp.heads
+        # each chunk is one contiguous span of the global heads, exactly those its ranks' pieces hold
+        # (prepare() gets one slice per chunk)
+        for (a, b), ranges in zip(sp.chunk_span, sp.chunk_heads):
+            assert list(range(a, b)) == [h for lo, hi in ranges for h in range(lo, hi)]
+        # rank j holds heads // world heads, one more for the first heads % world ranks
+        counts = [heads // world + (j < heads % world) for j in range(world)]
+        assert [sum(sp.chunk_sizes[c][j] for c in range(sp.chunks)) for j in range(world)] == counts
         if sp.chunks == 1:
             assert [tuple(r) for r in sp.chunk_heads[0]] == list(plan.shard(world, rank, heads).head_ranges)
 
@@ -94,6 +97,18 @@ def _pack_all(sp, qkv):
     for c in range(sp.chunks):
         sp._pack_chunk(send[offsets[c]:offsets[c + 1]], qkv, c)
     return send
+
+
+def test_chunk_layout_of_eight_heads_over_three_ranks():
+    # by hand: ranks hold 3 / 3 / 2 heads; two chunks cut them 2 + 1, 2 + 1, 1 + 1; chunk 0 is global
+    # heads 0..4 (rank 0: 0-1, rank 1: 2-3, rank 2: 4), chunk 1 heads 5..7 (one each)
+    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+    model, cfg = tiny_model()
+    sp = UlyssesAttention(plan_for(model, cfg).plan.shard(3, 1, 8), 8, 4, chunks=2)
+    assert sp.heads == [3, 3, 2]
+    assert sp.chunk_sizes == [[2, 2, 1], [1, 1, 1]]
+    assert sp.chunk_heads == [[(0, 2), (2, 4), (4, 5)], [(5, 6), (6, 7), (7, 8)]]
+    assert sp.chunk_span == [(0, 5), (5, 8)]
 
 
 @pytest.mark.parametrize("heads,world,chunks", [(8, 2, 1), (8, 2, 3), (56, 8, 2), (8, 3, 2), (12, 4, 2)])
