@@ -69,14 +69,18 @@ def test_op_that_ignores_cancel_past_the_deadline_is_killed(tmp_path):
 
 
 def test_op_that_finishes_despite_cancel_still_reports_cancelled(tmp_path):
+    """The op never checks ctx.cancelled(), so every rank finishes it normally; run() still raises
+    ParallelCancelled (a caller that asked to cancel must not take a result as if it had not)."""
     started = threading.Event()
     with ParallelGroup("late", log_dir=str(tmp_path)) as g:
         g.start(["cpu", "cpu"], spec(), local_state={"started": started})
         record = {}
         t = cancel_when_started(g, started, record)
-        with pytest.raises(ParallelCancelled) as info:
-            g.run("test.workers_sleep", meta={"seconds": 0.3})
+        with pytest.raises(ParallelCancelled, match=r"op 'test.finish_ignoring_cancel' \(id 1\) was cancelled; the group is ready") as info:
+            g.run("test.finish_ignoring_cancel", meta={"seconds": 2.0})
         t.join()
+        assert record["returned"] is True, "cancel() must have reached the op while it ran"
         assert info.value.group_broken is False
         assert g.state == "ready"
+        assert "cancelled" not in (tmp_path / "rank1-gen1.log").read_text(), "the worker finished the op"
         assert g.run("parallel.noop").metas == [{}, {}]

@@ -63,6 +63,19 @@ def workers_sleep(ctx, tensors, meta):
     return {}, {}
 
 
+@register_op("test.finish_ignoring_cancel")
+def finish_ignoring_cancel(ctx, tensors, meta):
+    """Never checks for cancellation: workers sleep ``seconds``, then every rank meets in a barrier and
+    the op finishes normally on all of them."""
+    started = ctx.state.get("started")
+    if started is not None:
+        started.set()
+    if ctx.rank > 0:
+        time.sleep(meta.get("seconds", 1.0))
+    dist.barrier(group=ctx.control_group)
+    return {}, {"finished": True}
+
+
 @register_op("test.rank0_busy")
 def rank0_busy(ctx, tensors, meta):
     """Rank 0 computes for ``seconds`` outside any collective (killing the workers cannot end that);
