@@ -28,6 +28,18 @@ from .step_io import StepInputs
 SEQUENCE_PARALLEL_OPTION = "minimax_h3_sequence_parallel"
 
 
+def _add_gates_of_state_dict(model, state_dict, prefix, *args):
+    """Load pre-hook: a sparse-attention (VSA) checkpoint carries a gate per DiT block
+    (``blocks.{i}.attn.to_gate_compress.weight``); a model built without them gets them before the
+    weights load, whether or not ComfyUI's model detection passed ``gate_compress``."""
+    if model.config["gate_compress"] or f"{prefix}blocks.0.attn.to_gate_compress.weight" not in state_dict:
+        return
+    for block in model.blocks:
+        block.attn.add_gate_compress(model._operations, dtype=model.dtype, device=block.attn.qkv_proj.weight.device)
+    model.config["gate_compress"] = True
+    model._set_model_key()
+
+
 class MiniMaxH3Model(nn.Module):
     def __init__(self, hidden_size=5376, num_layers=50, token_refiner_num_layers=2,
                  num_attention_heads=56, attention_head_dim=128, ffn_hidden_size=14336,
@@ -39,6 +51,8 @@ class MiniMaxH3Model(nn.Module):
                  image_model=None, dtype=None, device=None, operations=None, **kwargs):
         super().__init__()
         operations = operations or comfy.ops.disable_weight_init
+        # VSA checkpoints' DiT blocks carry a sparse-attention gate; model detection passes it as a keyword
+        gate_compress = bool(kwargs.get("gate_compress", False))
         self.dtype = dtype
         self.hidden_size = hidden_size
         self.num_heads = num_attention_heads
@@ -56,7 +70,8 @@ class MiniMaxH3Model(nn.Module):
                        "time_embed_hidden_size": time_embed_hidden_size, "time_embed_dim": time_embed_dim,
                        "rope_inv_freq_len": rope_inv_freq_len, "norm_eps": norm_eps, "qk_norm_eps": qk_norm_eps,
                        "final_norm_eps": final_norm_eps, "sigma_shift_video": sigma_shift_video,
-                       "sigma_shift_audio": sigma_shift_audio, "adaln_curve_grid": adaln_curve_grid}
+                       "sigma_shift_audio": sigma_shift_audio, "adaln_curve_grid": adaln_curve_grid,
+                       "gate_compress": gate_compress}
         # curve-form checkpoints replace the time embedder and full-width adaln weights with a small
         # shared basis of the time-embedding curve
         curve = {"apply_silu": not self.use_adaln_curves,
@@ -78,11 +93,17 @@ class MiniMaxH3Model(nn.Module):
                                           final_norm_eps, dtype=dtype, device=device, operations=operations)
         self.blocks = nn.ModuleList([
             DiTBlock(hidden_size, num_attention_heads, attention_head_dim, ffn_hidden_size,
-                     time_embed_dim, norm_eps, qk_norm_eps, **curve, dtype=dtype, device=device, operations=operations)
+                     time_embed_dim, norm_eps, qk_norm_eps, **curve, dtype=dtype, device=device, operations=operations,
+                     gate_compress=gate_compress)
             for _ in range(num_layers)])
         self.final_layer = FinalLayer(hidden_size, time_embed_dim, video_patch_dim, audio_latents_dim,
                                       final_norm_eps, **curve, dtype=dtype, device=device, operations=operations)
-        self.model_key = hashlib.sha256(json.dumps([self.config, str(dtype)], sort_keys=True).encode()).hexdigest()[:16]
+        self._operations = operations
+        self.register_load_state_dict_pre_hook(_add_gates_of_state_dict)
+        self._set_model_key()
+
+    def _set_model_key(self):
+        self.model_key = hashlib.sha256(json.dumps([self.config, str(self.dtype)], sort_keys=True).encode()).hexdigest()[:16]
 
     # -- upstream's helpers, kept for its callers (model_base.extra_conds, custom nodes) ------------
 
@@ -131,6 +152,7 @@ class MiniMaxH3Model(nn.Module):
     def _forward(self, x, timestep, context, transformer_options={}, minimax_payload=None, **kwargs):
         inputs = StepInputs(x[0], x[1], timestep, context, minimax_payload or {}, transformer_options)
         plan = self.plan(inputs)
+        transformer_options["minimax_h3_layout"] = plan.layout  # segment spans, for attention patches
         runner = transformer_options.get(SEQUENCE_PARALLEL_OPTION)
         if runner is not None:
             v, a = runner(plan, inputs)
@@ -229,6 +251,8 @@ class MiniMaxH3Model(nn.Module):
         seq_parallel: a SequenceParallelRunner when the rows are one shard of several, else None.
         """
         device, dtype, transformer_options = inputs.video.device, inputs.context.dtype, inputs.options
+        # every rank's own options: attention patches (the token refiner's too) read the global layout
+        transformer_options["minimax_h3_layout"] = plan.layout
         t_emb = self.time_embedding(plan, device, dtype)
         h = self.embed(plan, shard, inputs)
         # rotation table computed once per forward, consumed by the fused split-half rope
@@ -243,13 +267,15 @@ class MiniMaxH3Model(nn.Module):
         prefetch_queue = comfy.model_prefetch.make_prefetch_queue(list(self.blocks), device, transformer_options)
         for i, block in enumerate(self.blocks):
             comfy.model_prefetch.prefetch_queue_pop(prefetch_queue, device, block)
+            transformer_options["block_index"] = i
             if ("double_block", i) in blocks_replace:
+                # args["layout"] is global: natively it indexes args["img"] (patches_replace never runs sharded)
                 def block_wrap(args, block=block, i=i):
                     return {"img": block(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
-                                         transformer_options=args["transformer_options"], seq_parallel=seq_parallel,
-                                         adaln=adaln[i])}
+                                         transformer_options=args["transformer_options"], attention=args.get("attention"),
+                                         seq_parallel=seq_parallel, adaln=adaln[i])}
                 h = blocks_replace[("double_block", i)](
-                    {"img": h, "t_emb": t_emb, "mod_segments": mod, "rope_freqs": rope,
+                    {"img": h, "t_emb": t_emb, "mod_segments": mod, "rope_freqs": rope, "layout": plan.layout,
                      "transformer_options": transformer_options},
                     {"original_block": block_wrap})["img"]
             else:

@@ -33,7 +33,7 @@ class TimeEmbedder(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden, heads, head_dim, eps, dtype=None, device=None, operations=None):
+    def __init__(self, hidden, heads, head_dim, eps, dtype=None, device=None, operations=None, gate_compress=False):
         super().__init__()
         self.heads = heads
         self.head_dim = head_dim
@@ -42,6 +42,15 @@ class Attention(nn.Module):
         self.q_norm = operations.RMSNorm(head_dim, eps=eps, dtype=dtype, device=device)
         self.k_norm = operations.RMSNorm(head_dim, eps=eps, dtype=dtype, device=device)
         self.out_proj = operations.Linear(inner, hidden, bias=False, dtype=dtype, device=device)
+        self.to_gate_compress = None
+        if gate_compress:
+            self.add_gate_compress(operations, dtype=dtype, device=device)
+
+    def add_gate_compress(self, operations, dtype=None, device=None):
+        """The VSA gate [inner, hidden] of sparse-attention checkpoints: the dense forward never uses
+        it; sparse attention patches (a DiTBlock ``attention=`` override) read it."""
+        hidden, inner = self.qkv_proj.in_features, self.heads * self.head_dim
+        self.to_gate_compress = operations.Linear(hidden, inner, bias=False, dtype=dtype, device=device)
 
     def forward(self, x, rope_freqs=None, transformer_options={}, seq_parallel=None):
         # x: [s, hidden] local rows -> [s, hidden]
@@ -137,23 +146,32 @@ class TokenRefiner(nn.Module):
 
 class DiTBlock(nn.Module):
     def __init__(self, hidden, heads, head_dim, ffn, t_dim, eps, qk_eps,
-                 apply_silu=True, adaln_dtype=None, dtype=None, device=None, operations=None):
+                 apply_silu=True, adaln_dtype=None, dtype=None, device=None, operations=None, gate_compress=False):
         super().__init__()
         self.norm1 = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
         self.norm2 = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
-        self.attn = Attention(hidden, heads, head_dim, qk_eps, dtype=dtype, device=device, operations=operations)
+        self.attn = Attention(hidden, heads, head_dim, qk_eps, dtype=dtype, device=device, operations=operations,
+                              gate_compress=gate_compress)
         self.mlp = MLP(hidden, ffn, dtype=dtype, device=device, operations=operations)
         self.adaln_proj = AdalnProj(t_dim, hidden, 6, 3, apply_silu=apply_silu,
                                     dtype=adaln_dtype if adaln_dtype is not None else dtype,
                                     device=device, operations=operations)
 
-    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, seq_parallel=None, adaln=None):
-        # adaln: this block's adaln_proj.project(t_emb) when the caller computed it already (sequence
-        # parallel ranks share that work, see UlyssesAttention.adaln_projections)
+    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None, seq_parallel=None, adaln=None):
+        # attention: a replacement for self.attn, called as attention(h, rope_freqs=, transformer_options=)
+        # (sparse-attention block patches); adaln: this block's adaln_proj.project(t_emb) when the caller
+        # computed it already (sequence parallel ranks share that work, see UlyssesAttention.adaln_projections)
+        if attention is not None and seq_parallel is not None and seq_parallel.world_size > 1:
+            raise ValueError("MiniMax H3 sequence parallelism cannot run a DiTBlock attention= override: it would attend "
+                             "over this rank's rows only. Run the patch on one GPU, or select a registered attention "
+                             "function (optimized_attention_override), which sees every row")
         mods = self.adaln_proj(t_emb) if adaln is None else self.adaln_proj.split(adaln)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
         h = norm_scale_shift(self.norm1, x, shift_msa, scale_msa, mod_segments)
-        attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options, seq_parallel=seq_parallel)
+        if attention is None:
+            attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options, seq_parallel=seq_parallel)
+        else:
+            attn = attention(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
         x = mod_gate(x, gate_msa, attn, mod_segments)
         h = norm_scale_shift(self.norm2, x, shift_mlp, scale_mlp, mod_segments)
         return mod_gate(x, gate_mlp, self.mlp(h), mod_segments)
