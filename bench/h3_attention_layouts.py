@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import comfy.ops  # noqa: E402
 from comfy.ldm.minimax_h3 import kernels  # noqa: E402
 from comfy.ldm.minimax_h3.embedding import rope_rotation_table  # noqa: E402
 from comfy.ldm.minimax_h3.modules import Attention  # noqa: E402
@@ -51,7 +52,7 @@ def main():
         out = raw(v)
         res["output_transpose_reshape_copy"] = bench(lambda: out.transpose(1, 2).reshape(s, h * d).contiguous())
         res["output_strides"] = list(out.stride())
-        attn = Attention(hidden, h, d, 1e-5, dtype=torch.bfloat16, device="cuda", operations=kernels.default_operations())
+        attn = Attention(hidden, h, d, 1e-5, dtype=torch.bfloat16, device="cuda", operations=comfy.ops.disable_weight_init)
         for p in attn.parameters():
             p.requires_grad_(False).normal_(0, 0.02, generator=g)
         x = torch.randn(s, hidden, generator=g, device="cuda", dtype=torch.bfloat16)

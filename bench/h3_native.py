@@ -18,6 +18,7 @@ def section_native(res_list, theirs, ours, out, save=lambda: None):
     import comfy.ops
     from torch.nn.attention import SDPBackend
     import comfy.ldm.minimax.model as upstream
+    from comfy.ldm.minimax_h3.step_io import StepInputs
     from comfy.ldm.minimax_h3.layout import PackedLayout
     rows = out["native"] = {}
     for res in res_list:
@@ -62,7 +63,7 @@ def section_native(res_list, theirs, ours, out, save=lambda: None):
             # the plan is pure CPU work done once per step on every rank
             plan_t = time.perf_counter()
             for _ in range(20):
-                ours.plan(x[0], tuple(x[0].shape[2:]), x[1], t, c, {}, po)
+                ours.plan(StepInputs(x[0], x[1], t, c, po, {}))
             result["plan_build_ms"] = (time.perf_counter() - plan_t) / 20 * 1000
         up = min(result["upstream"]["median_s"], result["upstream_2"]["median_s"])
         us = min(result["ours"]["median_s"], result["ours_2"]["median_s"])

@@ -106,7 +106,7 @@ def section_budget(res_list, ours, out, save=lambda: None, worlds=(1, 2, 4, 8), 
                        "out_proj": (lambda: attn.out_proj(a), 1),
                        "gate_residual": (lambda: mod_gate(x.clone(), gate, o, mods), 2),
                        "fc1": (lambda: mlp.fc1(x), 1),
-                       "swiglu_fc2": (lambda: kernels.swiglu_linear(mlp.fc2, fc1_out), 1)}
+                       "swiglu_fc2": (lambda: comfy.ops.linear_input_act(mlp.fc2, fc1_out, "swiglu"), 1)}
                 if sp is not None:
                     qkv4 = qkv.view(s, 3, heads, dim)
                     ops["pack"] = (lambda: pack_heads(sp, qkv4), 1)

@@ -140,7 +140,7 @@ def main():
         table.append({"seed": run["seed"], "native_s": ref_s, "sharded_s": run["seconds"],
                       "rel_diff": rel(run["samples"], ref), "worker_pids": run["worker_pids"], "patch_sync": run["patch_sync"]})
     ok = all(r["rel_diff"] <= TOLERANCE for r in table) and table[0]["worker_pids"] == table[1]["worker_pids"] and closed
-    tokens = diffusion.plan(*_plan_inputs(diffusion, latent, positive)).seq_len
+    tokens = diffusion.plan(_plan_inputs(diffusion, latent, positive)).seq_len
     result = {"ranks": a.ranks, "device": a.device, "backend": "nccl" if a.device == "cuda" else "gloo", "steps": a.steps,
               "cfg": a.cfg, "tokens": tokens, "weight_dtype": a.weight_dtype, "checkpoint": checkpoint,
               "model_dtype": str(base.model_dtype()), "lora": lora, "lora_strength": a.lora_strength, "runs": table,
@@ -166,14 +166,15 @@ def main():
 
 
 def _plan_inputs(model, latent, positive):
-    """Arguments of model.plan for one step of this workflow (to report the sequence length)."""
+    """StepInputs of one step of this workflow (to report the sequence length)."""
     import torch
 
     import comfy.nested_tensor  # noqa: F401
+    from comfy.ldm.minimax_h3.step_io import StepInputs
     x = latent["samples"]
     video, audio = x.unbind() if x.is_nested else (x, None)
     context = model.preprocess_text_embeds(positive[0][0].to(model.condition_proj.weight.dtype))
-    return video, tuple(video.shape[2:]), audio, torch.tensor([500.0]), context, {}, {}
+    return StepInputs(video, audio, torch.tensor([500.0]), context, {}, {})
 
 
 if __name__ == "__main__":
