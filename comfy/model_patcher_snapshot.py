@@ -92,12 +92,30 @@ def _adapter_class_problem(v):
     return None
 
 
-def _capture_tensor(t, tensors, metas):
+def _carried_tensors(v):
+    """The tensors ``_capture_value`` carries from one patch value, when it carries ``v`` at all."""
+    if hasattr(v, "weights") and isinstance(getattr(v, "name", None), str):
+        return [w for w in v.weights if isinstance(w, torch.Tensor)] if isinstance(v.weights, (tuple, list)) else []
+    if isinstance(v, tuple) and len(v) == 1:
+        return [v[0]]
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], tuple) and v[1]:
+        return [v[1][0]]
+    return []
+
+
+def _hash_tensors(patches):
+    """{id(t): tensor_meta(t)} of every plain tensor the patches carry, hashed on a few threads up front."""
+    found = {id(t): t for entries in patches.values() for p in entries if isinstance(p, tuple) and len(p) == 5
+             for t in _carried_tensors(p[1]) if type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in codec.DTYPE_NAMES}
+    return dict(zip(found, codec.parallel_map(codec.tensor_meta, found.values())))
+
+
+def _capture_tensor(t, tensors, metas, hashed):
     """-> (name, None) or (None, reason)."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return None, f"tensor of type {type(t).__name__}; only plain tensors can be carried"
     try:
-        meta = codec.tensor_meta(t)
+        meta = hashed[id(t)] if id(t) in hashed else codec.tensor_meta(t)
     except ValueError as e:
         return None, f"tensor with {e}"
     name = codec.tensor_name(meta)
@@ -106,7 +124,7 @@ def _capture_tensor(t, tensors, metas):
     return name, None
 
 
-def _capture_value(v, tensors, metas):
+def _capture_value(v, tensors, metas, hashed):
     """One patch value -> (manifest value, None) or (None, reason)."""
     if hasattr(v, "weights") and isinstance(getattr(v, "name", None), str):
         if v.name not in ADAPTER_NAMES:
@@ -119,7 +137,7 @@ def _capture_value(v, tensors, metas):
             if w is None:
                 slots.append(None)
             elif isinstance(w, torch.Tensor):
-                name, why = _capture_tensor(w, tensors, metas)
+                name, why = _capture_tensor(w, tensors, metas, hashed)
                 if why:
                     return None, f"adapter {v.name} slot {j}: {why}"
                 slots.append({"tensor": name})
@@ -142,7 +160,7 @@ def _capture_value(v, tensors, metas):
         return None, f"patch type {kind!r} {why}"
     if not isinstance(args, tuple) or not args:
         return None, f"{kind} patch arguments are {type(args).__name__}, expected (tensor, ...)"
-    name, why = _capture_tensor(args[0], tensors, metas)
+    name, why = _capture_tensor(args[0], tensors, metas, hashed)
     if why:
         return None, f"{kind} {why}"
     if kind == "set":
@@ -157,7 +175,7 @@ def _capture_value(v, tensors, metas):
 
 def _capture_patches(patcher, problems):
     model_keys = set(patcher.model_state_dict().keys())
-    patches, tensors, metas = {}, {}, {}
+    patches, tensors, metas, hashed = {}, {}, {}, _hash_tensors(patcher.patches)
     for key in sorted(patcher.patches):
         if key not in model_keys:
             problems.append((key, "the model has no such weight"))
@@ -178,7 +196,7 @@ def _capture_patches(patcher, problems):
                                              and all(type(n) is int and n >= 0 for n in offset)):
                 why = f"offset {offset!r} is not (dim, start, length)"
             if why is None:
-                value, why = _capture_value(v, tensors, metas)
+                value, why = _capture_value(v, tensors, metas, hashed)
             if why is not None:
                 problems.append((key, f"entry {i}: {why}"))
                 continue

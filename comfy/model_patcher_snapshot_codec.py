@@ -12,13 +12,15 @@ that is not byte-identical to its canonical form. The manifest records the sha25
 raw bytes, so ``sha256(manifest)`` commits to every byte of the state: that is the snapshot digest.
 The envelope carries what is not content (the lineage counter) and the digest it claims.
 
-Nothing here unpickles: tensors are read with ``safetensors.torch.load`` after the payload header was
-checked byte for byte against the one the manifest implies.
+Nothing here unpickles: once the payload header matched the one the manifest implies byte for byte
+and each tensor's bytes their sha256, every tensor is a private copy of its bytes (``torch.frombuffer``).
+Hashing runs on a few threads (hashlib releases the GIL on large buffers): it is most of the cost.
 """
 
-import ctypes
+import concurrent.futures
 import hashlib
 import json
+import os
 import re
 import struct
 import sys
@@ -87,16 +89,25 @@ def is_digest(value) -> bool:
     return isinstance(value, str) and _HEX64.fullmatch(value) is not None
 
 
+def parallel_map(fn, items):
+    """[fn(x) for x in items] on a few threads; exceptions propagate in the order of ``items``."""
+    items = list(items)
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
 def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """Raw little-endian bytes of a CPU contiguous tensor, without numpy (which lacks bfloat16/float8)."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw little-endian bytes of a CPU contiguous tensor, without a copy (viewed as uint8: numpy has no
+    bfloat16 or float8)."""
     if sys.byteorder != "little":
         raise RuntimeError("patch snapshots store little-endian tensor bytes; this host is big-endian")
-    n = t.numel() * t.element_size()
-    return ctypes.string_at(t.data_ptr(), n) if n else b""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def tensor_meta(t: torch.Tensor) -> dict:
@@ -132,17 +143,23 @@ def _safetensors_header(metas: dict) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def write_payload(tensors: dict, metas: dict) -> bytes:
+def write_payload(tensors: dict, metas: dict) -> list:
+    """The safetensors payload as a list of buffers, joined once by ``pack``."""
     header = _safetensors_header(metas)
     parts = [struct.pack("<Q", len(header)), header]
-    parts += [tensor_bytes(cpu_contiguous(tensors[name])) for name in sorted(metas)]
-    return b"".join(parts)
+    return parts + [tensor_bytes(cpu_contiguous(tensors[name])) for name in sorted(metas)]
+
+
+def _read_tensor(raw: memoryview, meta: dict) -> torch.Tensor:
+    dtype = DTYPES[meta["dtype"]][0]
+    if not len(raw):
+        return torch.empty(meta["shape"], dtype=dtype)
+    # a private, writable copy: no tensor keeps the whole message alive
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(meta["shape"])
 
 
 def read_payload(payload: memoryview, metas: dict) -> dict:
     """Tensors of a payload whose header, length and per-tensor sha256 all match ``metas``."""
-    from safetensors.torch import load as safetensors_load
-
     head = _safetensors_header(metas)
     head = struct.pack("<Q", len(head)) + head
     expected = len(head) + sum(_nbytes(m) for m in metas.values())
@@ -151,22 +168,26 @@ def read_payload(payload: memoryview, metas: dict) -> dict:
     if len(payload) != expected:
         raise SnapshotFormatError(f"tensor payload is {len(payload)} bytes, the manifest implies {expected}: "
                                   "the data was truncated or has trailing bytes")
-    pos = len(head)
+    spans, pos = [], len(head)
     for name in sorted(metas):
-        end = pos + _nbytes(metas[name])
-        if hashlib.sha256(payload[pos:end]).hexdigest() != metas[name]["sha256"]:
+        spans.append((name, payload[pos:pos + _nbytes(metas[name])]))
+        pos += _nbytes(metas[name])
+
+    def read(span):
+        name, raw = span
+        if sha256_hex(raw) != metas[name]["sha256"]:
             raise SnapshotFormatError(f"tensor {name!r} does not match its sha256 in the manifest: the payload "
                                       "was altered in transit (or the source tensor changed after capture)")
-        pos = end
-    try:
-        return safetensors_load(bytes(payload))
-    except Exception as e:
-        raise SnapshotFormatError(f"safetensors payload does not parse: {e}") from None
+        return name, _read_tensor(raw, metas[name])
+
+    return dict(parallel_map(read, spans))
 
 
-def pack(envelope: dict, manifest_raw: bytes, payload: bytes) -> bytes:
+def pack(envelope: dict, manifest_raw: bytes, payload) -> bytes:
+    """``payload``: bytes, or the list of buffers ``write_payload`` returns."""
     env = canonical_json(envelope)
-    return b"".join([MAGIC, struct.pack("<Q", len(env)), env, struct.pack("<Q", len(manifest_raw)), manifest_raw, payload])
+    parts = payload if isinstance(payload, list) else [payload]
+    return b"".join([MAGIC, struct.pack("<Q", len(env)), env, struct.pack("<Q", len(manifest_raw)), manifest_raw, *parts])
 
 
 def unpack(data, max_bytes=None):
