@@ -13,9 +13,9 @@
 6. ComfyUI's tests-unit on the base and on the patched tree (our tests left out), compared test by
    test: a test that passes on the base must pass after patching.
 
-torchvision / torchaudio cannot be installed in this CPU environment; the import check installs
-tests-unit/absent_media_packages.py's stand-ins first, as our ComfyUI tests do. ComfyUI's own tests
-run without them, identically on both trees. A JSON summary goes to bench/results/patch_check.json.
+torchvision / torchaudio cannot be installed in this CPU environment; the import checks and our tests
+get scripts/absent_media_packages.py's stand-ins (not part of the series), as scripts/test.sh gives
+them. ComfyUI's own tests run without them, identically on both trees. A JSON summary goes to bench/results/patch_check.json.
 """
 
 import argparse
@@ -33,7 +33,8 @@ import manifest as series
 from manifest import HERE, REPO, SeriesError, git
 
 RESULT_JSON = os.path.join(REPO, "bench", "results", "patch_check.json")
-STUBS = "import sys; sys.path.insert(0, 'tests-unit'); import absent_media_packages; absent_media_packages.install(); "
+MEDIA_SITE = os.path.join(REPO, "scripts", "media_site")
+STUBS = f"import sys; sys.path.insert(0, {os.path.join(REPO, 'scripts')!r}); import absent_media_packages; absent_media_packages.install(); "
 CPU = "from comfy.cli_args import args; args.cpu = True; "
 IMPORT_CHECK = ("import comfy.model_base, comfy.ldm.minimax.model, comfy.ldm.minimax_h3.model, comfy.parallel, "
                 "comfy.model_patcher_snapshot, comfy_extras.nodes_minimax_h3_parallel")
@@ -54,7 +55,7 @@ class Run:
         self.env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_DIR", "PYTHONPATH")}
         self.env.update(PYTHONDONTWRITEBYTECODE="1", GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
 
-    def __call__(self, tree, argv, label, timeout=1800):
+    def __call__(self, tree, argv, label, timeout=1800, env=None):
         self.logs += 1
         log = os.path.join(self.work, f"{self.logs:02d}-{label}.log")
         shown = " ".join(a if " " not in a and a else repr(a) for a in argv)
@@ -62,7 +63,7 @@ class Run:
         start = time.monotonic()
         with open(log, "w") as out:
             try:
-                rc = subprocess.run(argv, cwd=tree, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                rc = subprocess.run(argv, cwd=tree, env={**self.env, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
         with open(log) as f:
@@ -90,7 +91,7 @@ def apply_series(run, tree, manifest, resolved, names, bisect):
             raise SeriesError(f"after {name}: importing {', '.join(modules)} failed:\n{text[-3000:]}")
         tests = [f for f in resolved[entry["name"]] if f.endswith("_test.py")]
         if bisect and tests:
-            rc, text, secs = run(tree, PYTEST + ["-m", "not slow"] + tests, f"tests-{entry['name']}")
+            rc, text, secs = run(tree, PYTEST + ["-m", "not slow"] + tests, f"tests-{entry['name']}", env={"PYTHONPATH": MEDIA_SITE})
             step.update(tests=summary_line(text), tests_ok=rc == 0, seconds=secs)
             if rc != 0:
                 raise SeriesError(f"after {name}: its own tests fail:\n{text[-3000:]}")
@@ -192,9 +193,7 @@ def check(args, manifest, run, report):
 
     loads = {}
     for label, t in (("base", base_tree), ("patched", tree)):
-        # the base has no tests-unit/absent_media_packages.py: both runs take the patched tree's
-        stubs = STUBS.replace("'tests-unit'", repr(os.path.join(tree, "tests-unit")))
-        rc, text, _ = run(t, [sys.executable, "-c", stubs + CPU + LOAD_NODES], f"load-nodes-{label}")
+        rc, text, _ = run(t, [sys.executable, "-c", STUBS + CPU + LOAD_NODES], f"load-nodes-{label}")
         loads[label] = json.loads(text.strip().splitlines()[-1]) if rc == 0 else {"error": text[-2000:]}
     report["node_loading"] = loads
     if "error" in loads["base"] or "error" in loads["patched"] or loads["patched"]["failed"] != loads["base"]["failed"] \
@@ -204,7 +203,8 @@ def check(args, manifest, run, report):
           f"{len(loads['base']['failed'])} extras fail to import as on the base (missing optional packages)")
 
     junit = os.path.join(work, "junit-ours.xml")
-    rc, text, secs = run(tree, PYTEST + OUR_TESTS + ["-m", "not slow", f"--junitxml={junit}"], "our-tests")
+    rc, text, secs = run(tree, PYTEST + OUR_TESTS + ["-m", "not slow", f"--junitxml={junit}"], "our-tests",
+                         env={"PYTHONPATH": MEDIA_SITE})
     ours = outcomes(junit) if os.path.exists(junit) else {}
     report["our_tests"] = {"exit_code": rc, "seconds": secs, "summary": summary_line(text), **count(ours)}
     print(f"  our tests in the patched tree: {summary_line(text)} (exit {rc}, {secs} s)")

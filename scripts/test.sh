@@ -7,6 +7,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$(bash "$root/scripts/setup_env.sh")
 COMFYUI_DIR=$(bash "$root/scripts/comfyui_tree.sh" "$py")
 export COMFYUI_DIR
+# torchvision / torchaudio stand-ins where this machine lacks them (here and in every worker process)
+export PYTHONPATH="$root/scripts/media_site${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
 "$py" -m ruff check --quiet .
 exec "$py" -m pytest -q "$@"

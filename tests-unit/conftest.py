@@ -3,6 +3,8 @@
 * ``COMFYUI_DIR``: when set to a checkout of the pinned ComfyUI base, it is appended to
   ``sys.path`` so that ``comfy`` (a namespace package, as upstream) merges this repository's modules
   with ComfyUI's. Tests marked ``comfyui`` use the ``comfyui_dir`` fixture and skip without it.
+* Nothing here changes ComfyUI's settings: test modules that import ComfyUI's model code set
+  ``args.cpu`` themselves on a machine without CUDA, as ComfyUI's own tests do.
 * ``run_ranks``: run a module-level function on N spawned processes with a gloo group.
 """
 
@@ -27,17 +29,6 @@ def comfyui_available():
     return importlib.util.find_spec("comfy.model_patcher") is not None
 
 
-if comfyui_available():
-    import absent_media_packages
-    import torch
-    # comfy.model_base imports torchvision / torchaudio at module level; stand-ins where they are absent
-    absent_media_packages.install()
-    if not torch.cuda.is_available():
-        # before anything imports comfy.model_management, which asserts CUDA unless told otherwise
-        from comfy.cli_args import args as _comfy_args
-        _comfy_args.cpu = True
-
-
 @pytest.fixture
 def comfyui_dir():
     """The ComfyUI tree the tests run against; skips when there is none."""
@@ -59,20 +50,9 @@ def run_ranks():
     return _run_ranks
 
 
-@pytest.fixture(scope="session")
-def _media_stub_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("media_stub")
-    (d / "sitecustomize.py").write_text("import absent_media_packages\nabsent_media_packages.install()\n")
-    return str(d)
-
-
 @pytest.fixture
-def comfyui_models(comfyui_dir, _media_stub_dir, monkeypatch):
-    """ComfyUI's model stack (model_base, model_patcher, lora, sd) importable here and in the worker
-    processes tests spawn (they inherit sys.path, so they run the stub's sitecustomize)."""
-    import absent_media_packages
-    absent_media_packages.install()
-    monkeypatch.syspath_prepend(_media_stub_dir)
+def comfyui_models(comfyui_dir):
+    """ComfyUI's model stack (model_base, model_patcher, lora, sd) imported."""
     import comfy.lora  # noqa: F401
     import comfy.model_patcher  # noqa: F401
     import comfy.sd  # noqa: F401
@@ -82,18 +62,11 @@ def comfyui_models(comfyui_dir, _media_stub_dir, monkeypatch):
 REEXPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches", "overlay")
 
 
-@pytest.fixture(scope="session")
-def _patched_stub_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("patched_stub")
-    (d / "sitecustomize.py").write_text("import sys\nimport absent_media_packages\nabsent_media_packages.install()\n"
-                                        f"sys.path.insert(0, {REEXPORT_DIR!r})\n")
-    return str(d)
-
-
 @pytest.fixture
-def comfyui_patched(comfyui_models, _patched_stub_dir, monkeypatch):
+def comfyui_patched(comfyui_models, monkeypatch):
     """As in a tree with the patch series applied: ComfyUI's comfy.ldm.minimax.model is the re-export
-    of this package, here (module swapped) and in every worker process (re-export first on sys.path)."""
+    of this package, here (module swapped) and in every worker process (the re-export's folder first on
+    sys.path, which workers inherit in order)."""
     import comfy.ldm.minimax
     import comfy.ldm.minimax.model as current
     from comfy.ldm.minimax_h3.model import MiniMaxH3Model
@@ -104,5 +77,5 @@ def comfyui_patched(comfyui_models, _patched_stub_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "comfy.ldm.minimax.model", reexport)  # before it runs, as an import does
     spec.loader.exec_module(reexport)
     monkeypatch.setattr(comfy.ldm.minimax, "model", reexport, raising=False)
-    monkeypatch.syspath_prepend(_patched_stub_dir)
+    monkeypatch.syspath_prepend(REEXPORT_DIR)
     return comfyui_models

@@ -13,6 +13,7 @@ _OVERLAY = os.path.join(_ROOT, "patches", "overlay")
 if _OVERLAY not in sys.path:
     sys.path.insert(0, _OVERLAY)
 sys.path.append(os.path.join(_ROOT, "tests-unit"))
+sys.path.append(os.path.join(_ROOT, "scripts"))
 import absent_media_packages  # noqa: E402
 
 absent_media_packages.install()

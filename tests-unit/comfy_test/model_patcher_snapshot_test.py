@@ -15,6 +15,11 @@ import uuid
 import pytest
 import torch
 
+from comfy.cli_args import args
+
+if not torch.cuda.is_available():
+    args.cpu = True
+
 from comfy import model_patcher_snapshot, model_patcher_snapshot_codec as codec
 from comfy.model_patcher_snapshot import (PatchSnapshot, SnapshotAck, SnapshotApplyError, SnapshotFormatError,
                                           SnapshotNotAcked, UnsupportedPatchState, decode, require_acks)
