@@ -324,6 +324,12 @@ class PatchSnapshot:
         p.force_cast_weights = self.force_cast_weights
         return p
 
+    def load(self, base):
+        """``to_patcher(base)`` loaded by ComfyUI's load_models_gpu, patch backups on the device when it has
+        room (``model_patcher_snapshot_load``) -> that clone."""
+        from comfy import model_patcher_snapshot_load
+        return model_patcher_snapshot_load.load(self, base)
+
     @staticmethod
     def decode(data, max_bytes=None) -> "PatchSnapshot":
         update = decode(data, max_bytes)

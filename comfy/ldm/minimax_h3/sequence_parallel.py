@@ -53,8 +53,8 @@ def patches_op(ctx, tensors, meta):
     update = snapshots.decode(tensors["snapshot"].cpu().numpy().tobytes())
     held, ctx.state["snapshot"] = ctx.state["snapshot"], None  # nothing a later delta could build on until this lands
     snap = update if update.kind == "snapshot" else update.apply_to(held)
-    patcher = snap.to_patcher(ctx.state["base"])
-    comfy.model_management.load_models_gpu([patcher])  # ComfyUI's own patching (or DynamicVRAM's forward-time patches)
+    # ComfyUI's own merge (or DynamicVRAM's forward-time patches); backups stay on the GPU when it has room
+    patcher = snap.load(ctx.state["base"])
     ctx.state.update(patcher=patcher, snapshot=snap, patch_version=snap.version, describe=headless.describe(patcher))
     return {}, {"ack": snapshots.SnapshotAck(ctx.rank, snap.lineage, snap.digest, snap.key_count).to_json()}
 
