@@ -4,6 +4,7 @@
 a one-rank ShardPlan, or hands (plan, inputs) to the sequence-parallel runner in
 ``transformer_options``, whose ranks each call ``run`` with their own shard.
 """
+import dataclasses
 import hashlib
 import json
 
@@ -21,6 +22,7 @@ from .conditioning import (AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, audio_carr
 from .embedding import (check_condition_rows, condition_rows, pack_audio, patchify_video, rope_angles, rope_rotation_table, stream_rows,
                         unpack_audio, unpatchify_video)
 from .modules import DiTBlock, FinalLayer, TimeEmbedder, TokenRefiner
+from .pdd import PddHeads, bank_size
 from .plan import ForwardPlan
 from .step_io import StepInputs
 
@@ -170,6 +172,9 @@ class MiniMaxH3Model(nn.Module):
         plan = ForwardPlan.build(video.shape[:2] + padded, orig_thw, audio.shape, context.shape, float(video_sigma(inputs.timestep)),
                                  shifts, inputs.payload, self.model_key, self.hidden_size)
         self.check_conditions(plan, inputs.payload)
+        heads = bank_size(self.final_layer.video_out)
+        if heads > 1:  # a PDD LoRA's head bank: the plan picks the heads of this step
+            plan = dataclasses.replace(plan, pdd=PddHeads.select(heads, plan.sigma, inputs.options.get("sample_sigmas"), shifts))
         return plan
 
     def check_inputs(self, inputs):
@@ -283,7 +288,7 @@ class MiniMaxH3Model(nn.Module):
                           adaln=adaln[i])
         if prefetch_queue is not None:
             comfy.model_prefetch.prefetch_queue_pop(prefetch_queue, device, None)
-        return self.final_layer(h, t_emb, shard.video_seg, shard.audio_seg)
+        return self.final_layer(h, t_emb, shard.video_seg, shard.audio_seg, pdd=plan.pdd)
 
     def unpack(self, plan, video_rows, audio_rows, video_dtype, audio_dtype):
         """Full target velocity rows -> [video, audio] outputs in the sampler's sign convention."""

@@ -14,6 +14,7 @@ import comfy.ops
 
 from . import kernels
 from .modulation import mod_gate, norm_scale_shift
+from .pdd import PddHeads, bank_size
 
 
 class TimeEmbedder(nn.Module):
@@ -189,11 +190,17 @@ class FinalLayer(nn.Module):
         self.video_out = operations.Linear(hidden, video_dim, bias=True, dtype=torch.float32, device=device)
         self.audio_out = operations.Linear(hidden, audio_dim, bias=True, dtype=torch.float32, device=device)
 
-    def forward(self, x, t_emb, video_seg, audio_seg):
-        # video_seg / audio_seg: (start, stop, timestep_row) of the target rows held, possibly empty
+    def forward(self, x, t_emb, video_seg, audio_seg, sigma=None, sample_sigmas=None, shifts=None, pdd=None):
+        # video_seg / audio_seg: (start, stop, timestep_row) of the target rows held, possibly empty.
+        # Output layers holding a PDD head bank run the heads of the step: pdd (the plan's PddHeads), else
+        # picked from the video sigma, the sampler's sigmas and the (video, audio) sigma shifts
         shift, scale = self.adaln_proj(t_emb)
         va, vb, vrow = video_seg
         aa, ab, arow = audio_seg
         hv = (self.norm(x[va:vb]) * (1.0 + scale[vrow]) + shift[vrow]).to(torch.float32)
         ha = (self.norm(x[aa:ab]) * (1.0 + scale[arow]) + shift[arow]).to(torch.float32)
-        return self.video_out(hv), self.audio_out(ha)
+        if pdd is None and bank_size(self.video_out) > 1:
+            pdd = PddHeads.select(bank_size(self.video_out), sigma, sample_sigmas, shifts)
+        if pdd is None:
+            return self.video_out(hv), self.audio_out(ha)
+        return pdd.apply(self.video_out, hv, 0), pdd.apply(self.audio_out, ha, 1)

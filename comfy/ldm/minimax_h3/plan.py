@@ -13,7 +13,7 @@ from .conditioning import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, TimestepPla
 from .layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout
 from .modulation import clip_segments
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 def balanced_ranges(total, parts):
@@ -44,6 +44,7 @@ class ForwardPlan:
     aud_aug: float
     seed: int
     model_key: str              # config + dtype of the model that built it
+    pdd: object = None          # pdd.PddHeads of a model with a PDD head bank, else None
 
     @classmethod
     def build(cls, video_shape, orig_thw, audio_shape, context_shape, sigma, shifts, payload, model_key, hidden_size):
@@ -77,7 +78,8 @@ class ForwardPlan:
                 "segments": [list(s) for s in self.layout.segments], "mod_segments": [list(s) for s in self.mod_segments],
                 "video_seg": list(self.video_seg), "audio_seg": list(self.audio_seg),
                 "vis_aug": self.vis_aug.hex(), "aud_aug": self.aud_aug.hex(), "seed": self.seed,
-                "layout": self.layout.fingerprint(), "model": self.model_key}
+                "layout": self.layout.fingerprint(), "model": self.model_key,
+                "pdd": None if self.pdd is None else self.pdd.describe()}
 
     def digest(self):
         blob = json.dumps(self.describe(), sort_keys=True, separators=(",", ":")).encode()

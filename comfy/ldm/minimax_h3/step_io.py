@@ -1,7 +1,7 @@
 """StepInputs: one step's inputs, and their wire form (named tensors + a JSON tree) for other ranks.
 
 The wire form is internal. Only what changes the numerics crosses: latents, timestep, context, the
-H3 payload minus its prebuilt layout (every rank rebuilds it) and the sigma-shift overrides; what
+H3 payload minus its prebuilt layout (every rank rebuilds it) and the sigma shifts and schedule; what
 cannot be sent, and options that would run on rank 0's rows only, are refused by name.
 """
 
@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-STEP_IO_VERSION = 2
+STEP_IO_VERSION = 3
 TENSOR_TAG = "__tensor__"
 SHIFT_KEYS = ("minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio")
+SAMPLE_SIGMAS = "sample_sigmas"  # the sampler's schedule: PDD head banks pick their heads by it
 DROPPED_PAYLOAD_KEYS = ("layout",)
 
 
@@ -56,6 +57,13 @@ def check_replicable_options(transformer_options):
                          ": they would run on rank 0's rows only. Remove them or run on one GPU.")
 
 
+def _sent_options(options):
+    sent = {k: float(options[k]) for k in SHIFT_KEYS if k in options}
+    if options.get(SAMPLE_SIGMAS) is not None:
+        sent[SAMPLE_SIGMAS] = options[SAMPLE_SIGMAS]
+    return sent
+
+
 @dataclass
 class StepInputs:
     """One step's inputs, as ``MiniMaxH3Model.forward`` takes them (the audio stream un-carried).
@@ -80,7 +88,7 @@ class StepInputs:
                 "video": _encode(self.video, "x[0]", tensors), "audio": _encode(self.audio, "x[1]", tensors),
                 "timestep": _encode(self.timestep, "timestep", tensors), "context": _encode(self.context, "context", tensors),
                 "payload": _encode(sent, "minimax_payload", tensors),
-                "options": {k: float(self.options[k]) for k in SHIFT_KEYS if k in self.options}}
+                "options": _encode(_sent_options(self.options), "transformer_options", tensors)}
         return tensors, meta
 
     @classmethod
@@ -88,8 +96,8 @@ class StepInputs:
         if meta.get("version") != STEP_IO_VERSION:
             raise ValueError(f"step inputs have version {meta.get('version')!r}, this rank understands {STEP_IO_VERSION}: "
                              "all ranks must run the same ComfyUI code")
-        unknown = sorted(set(meta["options"]) - set(SHIFT_KEYS))
+        unknown = sorted(set(meta["options"]) - {*SHIFT_KEYS, SAMPLE_SIGMAS})
         if unknown:
             raise ValueError(f"step inputs carry unknown options {unknown}")
         d = lambda key: _decode(meta[key], tensors)
-        return cls(d("video"), d("audio"), d("timestep"), d("context"), d("payload"), dict(meta["options"]))
+        return cls(d("video"), d("audio"), d("timestep"), d("context"), d("payload"), d("options"))
