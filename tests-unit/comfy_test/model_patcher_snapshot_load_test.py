@@ -10,6 +10,11 @@ copy), as the free memory of any CUDA device allows for this tiny model.
 import pytest
 import torch
 
+from comfy.cli_args import args
+
+if not torch.cuda.is_available():
+    args.cpu = True
+
 from comfy.model_patcher_snapshot import PatchSnapshot, decode
 from model_patcher_snapshot_overlay_test import PREFIX, TinyH3Base, _assert_same_weights, _load, _lora_files
 
