@@ -19,6 +19,7 @@ import argparse
 import difflib
 import fnmatch
 import json
+import ast
 import math
 import os
 import re
@@ -26,8 +27,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from comfy.ldm.minimax_h3.ulysses import DEFAULT_CHUNKS  # noqa: E402  (the default the scaling table labels)
+
+
+def _ulysses_default_chunks():
+    # read from the source: importing the package needs ComfyUI, and the tables need only JSON
+    tree = ast.parse((ROOT / "comfy" / "ldm" / "minimax_h3" / "ulysses.py").read_text(encoding="utf-8"))
+    return next(node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "DEFAULT_CHUNKS" for t in node.targets))
+
+
+DEFAULT_CHUNKS = _ulysses_default_chunks()  # the default the scaling table labels
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
@@ -703,6 +712,47 @@ def t_cpu_native(results):
     return out
 
 
+LORA_JSON = "lora_sync_h200.json"
+LORA_STEPS = (("first_load", "LoRA load"), ("strength_change", "strength 1.0 -> 0.5"), ("swap", "LoRA swap"), ("clear", "clear"))
+
+
+def t_lora_sync(results):
+    """A LoRA change on a worker (GPU backups, ComfyUI's arithmetic) beside ComfyUI's default path (rank 0)."""
+    r = load(results, LORA_JSON)
+    if r is None:
+        raise Skip(f"{LORA_JSON} not found")
+    w, c, m = r["worker"], r["comfyui_rank0"], r["machine"]
+    lmg = {row["step"]: row["load_models_gpu_s"] for row in c["load_models_gpu"]}
+    out = [caption(f"LoRA sync at H3 scale ({r['model']['parameters'] / 1e9:.1f} B parameters, bf16, "
+                   f"{r['model']['weights_gib']} GiB; rank-{r['lora']['rank']} LoRA on 208 linears; worker medians of "
+                   f"{len(w['changes']) // 4} rounds, ComfyUI one round; rank 0 and a worker as two processes one after "
+                   "the other on one GPU, the transfer between GPUs not included).", LORA_JSON,
+                   f"{m['gpu']}, torch {m['torch']}"), ""]
+    rows = []
+    for key, label in LORA_STEPS:
+        st = w["changes_median"][key]
+        rows.append([label, f_s(lmg[key]), f_s(st["worker_total_s"]), f"{f_s(st['decode_s'])} / {f_s(st['load_s'])}",
+                     f_s(st["rank0_capture_encode_s"]), f_bytes(st["tensor_bytes_sent"]) if st["tensor_bytes_sent"] else "0"])
+    out += table(["change", "ComfyUI load_models_gpu s (rank 0; workers before)", "worker now s", "worker: decode / merge s",
+                  "rank 0: capture + encode s", "tensor bytes sent"], rows)
+    d, step = c["direct"], w["step"]
+    backups = max(row["backup_gib"] for row in w["changes"])
+    out += [""] + table(["", "ComfyUI (rank 0; workers before)", "worker now"], [
+        ["patch_model() / unpatch_model() / strength change, called directly, s",
+         f"{f_s(d['patch_model_s'])} / {f_s(d['unpatch_model_s'])} / {f_s(d['strength_change_s'])}", "—"],
+        ["backups of the 208 patched weights", f"{d['host_backup_gib']:.1f} GiB in host RAM",
+         f"{backups:.1f} GiB on the GPU (the original weights, no copy)"],
+        ["peak host RSS of the process (VmHWM)", f"{c['peak']['VmHWM'] / 2**30:.1f} GiB", f"{w['rss_before_mmap']['VmHWM'] / 2**30:.1f} GiB"]])
+    out += ["", f"Per step at {step['resolution']} ({step['tokens']:,} tokens), interleaved, median of "
+                f"{len(step['times_s']['base'])}: base weights {f_s(step['base_median_s'])} s; merged (worker) "
+                f"{f_s(step['merged_median_s'])} s ({step['merged_overhead_pct']:+.1f} %); forward-time patches "
+                f"(DynamicVRAM's per-step work) {f_s(step['forward_time_patches_median_s'])} s "
+                f"({step['forward_time_patches_overhead_pct']:+.1f} %). Restoring base weights from a page-cached "
+                f"safetensors file instead: {w['mmap_restore']['gb_per_s']} GB/s, "
+                f"{w['mmap_restore']['restore_s_extrapolated_208']} s for the 208 keys before any merge."]
+    return out
+
+
 SECTIONS = {  # name: (title in a skipped-table comment, function of the results folder)
     "index": ("results index", t_index),
     "native": ("H3 native forward", t_native),
@@ -718,12 +768,13 @@ SECTIONS = {  # name: (title in a skipped-table comment, function of the results
     "attention_ab": ("attention call A/B", t_attention_ab),
     "parallel": ("comfy/parallel costs", t_parallel),
     "snapshot": ("patch snapshot costs", t_snapshot),
+    "lora_sync": ("LoRA sync at H3 scale", t_lora_sync),
     "patch_check": ("patch check", t_patch_check),
 }
 README_TABLES = ("native_brief", "scaling_brief")
-APPENDIX_TABLES = ("native", "cpu_native", "accuracy", "scaling", "budget", "parallel", "snapshot", "patch_check")
+APPENDIX_TABLES = ("native", "cpu_native", "accuracy", "scaling", "budget", "parallel", "snapshot", "lora_sync", "patch_check")
 BENCH_TABLES = ("index", "native", "cpu_native", "accuracy", "scaling", "budget", "fusions", "segments", "kernels",
-                "attention_ab", "parallel", "snapshot", "patch_check")
+                "attention_ab", "parallel", "snapshot", "lora_sync", "patch_check")
 
 
 def tables_for(path):
