@@ -4,6 +4,7 @@
 a one-rank ShardPlan, or hands (plan, inputs) to the sequence-parallel runner in
 ``transformer_options``, whose ranks each call ``run`` with their own shard.
 """
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -17,6 +18,7 @@ import comfy.model_prefetch
 import comfy.ops
 import comfy.patcher_extension
 
+from . import kernels
 from .conditioning import (AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, audio_carry, carried_audio_velocity, curve_t_emb, sigma_shifts,
                            video_sigma)
 from .embedding import (check_condition_rows, condition_rows, pack_audio, patchify_video, rope_angles, rope_rotation_table, stream_rows,
@@ -143,10 +145,16 @@ class MiniMaxH3Model(nn.Module):
             sigma_v, sigma_a = audio_carry(timestep, *sigma_shifts(transformer_options, self.sigma_shift_video, self.sigma_shift_audio))
             carry = (sigma_a / sigma_v).to(audio_src.dtype)
             x = [x[0], audio_src * carry]
-        out = comfy.patcher_extension.WrapperExecutor.new_class_executor(
-            self._forward, self,
-            comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
-        ).execute(x, timestep, context, transformer_options, minimax_payload=minimax_payload, **kwargs)
+        # ComfyUI's compiled allocations where the core has them; not with a sequence-parallel runner, whose
+        # collectives have not been tried inside a recorded allocation graph
+        graph = contextlib.nullcontext(lambda outputs: outputs) if transformer_options.get(SEQUENCE_PARALLEL_OPTION) \
+            else kernels.malloc_graph(self, x)
+        with graph as keep:
+            out = comfy.patcher_extension.WrapperExecutor.new_class_executor(
+                self._forward, self,
+                comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
+            ).execute(x, timestep, context, transformer_options, minimax_payload=minimax_payload, **kwargs)
+            out = keep(out)
         if scale != 1.0:
             out[1] = carried_audio_velocity(out[1], audio_src * carry, scale, sigma_a)
         return out
@@ -271,7 +279,7 @@ class MiniMaxH3Model(nn.Module):
         blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
         prefetch_queue = comfy.model_prefetch.make_prefetch_queue(list(self.blocks), device, transformer_options)
         for i, block in enumerate(self.blocks):
-            comfy.model_prefetch.prefetch_queue_pop(prefetch_queue, device, block)
+            kernels.prefetch_pop(prefetch_queue, device, block)
             transformer_options["block_index"] = i
             if ("double_block", i) in blocks_replace:
                 # args["layout"] is global: natively it indexes args["img"] (patches_replace never runs sharded)
@@ -286,8 +294,7 @@ class MiniMaxH3Model(nn.Module):
             else:
                 h = block(h, t_emb, mod, rope, transformer_options=transformer_options, seq_parallel=seq_parallel,
                           adaln=adaln[i])
-        if prefetch_queue is not None:
-            comfy.model_prefetch.prefetch_queue_pop(prefetch_queue, device, None)
+        kernels.prefetch_pop(prefetch_queue, device, None)
         return self.final_layer(h, t_emb, shard.video_seg, shard.audio_seg, pdd=plan.pdd)
 
     def unpack(self, plan, video_rows, audio_rows, video_dtype, audio_dtype):
