@@ -2,7 +2,8 @@
 
 A token's t is 1 - sigma of its stream (the sampler passes the video sigma * 1000; audio runs on its
 own shifted schedule). adaLN rows are evaluated once per distinct t; a segment uses mod row
-t_row * 3 + tag (video 0, text 1, audio 2). All arithmetic matches upstream's float32 expressions.
+t_row * 3 + tag (video 0, text 1, audio 2); rows a denoise mask holds back get per-row rows. All
+arithmetic matches upstream's float32 expressions.
 """
 
 import torch
@@ -42,9 +43,15 @@ def carried_audio_velocity(out_audio, carried_audio, scale, sigma_a):
 
 
 class TimestepPlan:
-    """Per-segment timesteps and the sorted distinct timesteps (the adaLN rows) of one step."""
+    """Per-segment timesteps and the sorted distinct timesteps (the adaLN rows) of one step.
 
-    def __init__(self, sigma_v, shift_v, shift_a, layout, vis_aug=VISUAL_COND_TIMESTEP, aud_aug=AUDIO_COND_TIMESTEP):
+    video_mask / audio_mask: [rows] fp32 per-target-row denoise strength (1 = generate, pooled to
+    the token grid) or None. A row of strength m runs at sigma = m * sigma of its stream, so its
+    t is 1 - m * sigma, never above the condition rows' level.
+    """
+
+    def __init__(self, sigma_v, shift_v, shift_a, layout, vis_aug=VISUAL_COND_TIMESTEP, aud_aug=AUDIO_COND_TIMESTEP,
+                 video_mask=None, audio_mask=None):
         sigma = torch.tensor(float(sigma_v), dtype=torch.float32)
         self.t_video = float(1.0 - sigma)
         self.t_audio = float(1.0 - time_shift_sigma(sigma, shift_v, shift_a))
@@ -54,17 +61,41 @@ class TimestepPlan:
         self.segment_t = {"text": self.t_video, "video": self.t_video, "audio": self.t_audio,
                           "cond": t_vis_cond, "ref_img": t_vis_cond,
                           "cond_audio": t_aud_cond, "ref_audio": t_aud_cond}
-        unique = {self.t_video, self.t_audio}
-        if layout.has_kind("cond", "ref_img"):
-            unique.add(t_vis_cond)
-        if layout.has_kind("cond_audio", "ref_audio"):
-            unique.add(t_aud_cond)
+        # upstream scales the video mask by the fp32 sigma tensor and the audio mask by a Python float
+        self.row_t = {}  # target kind -> [rows] fp32 t of its rows, where a mask makes them differ
+        for kind, mask, stream_sigma, pin in (("video", video_mask, sigma, max(self.t_video, VISUAL_COND_TIMESTEP)),
+                                              ("audio", audio_mask, 1.0 - self.t_audio, max(self.t_audio, AUDIO_COND_TIMESTEP))):
+            if mask is None or bool((mask >= 1.0 - 1e-3).all()):
+                continue
+            rows_t = (1.0 - mask * stream_sigma).clamp(max=pin)
+            if rows_t.unique().numel() == 1:
+                self.segment_t[kind] = float(rows_t[0])  # one level: the segment keeps a single mod row
+            else:
+                self.row_t[kind] = rows_t
+        unique = {self.t_video, self.t_audio} | {self.segment_t[k] for _, _, k in layout.segments}
+        for rows_t in self.row_t.values():
+            unique.update(rows_t.unique().tolist())
         self.unique_t = tuple(sorted(unique))
         self.t_row = {t: i for i, t in enumerate(self.unique_t)}
 
     def mod_row(self, kind, tag=None):
         """Row of the [n_unique_t * 3, hidden] adaLN outputs used by a segment of this kind."""
         return self.t_row[self.segment_t[kind]] * 3 + (MODALITY_TAG[kind] if tag is None else tag)
+
+    def target_rows(self, kind):
+        """t_row of a target segment ('video' / 'audio'): an int, or a [rows] LongTensor where a mask varies it."""
+        rows_t = self.row_t.get(kind)
+        if rows_t is None:
+            return self.t_row[self.segment_t[kind]]
+        levels = rows_t.unique()  # sorted
+        index = torch.tensor([self.t_row[t] for t in levels.tolist()], dtype=torch.long)
+        return index[torch.searchsorted(levels, rows_t)]
+
+    def segment_mod_row(self, kind):
+        """mod_row of a segment of this kind: per row ([rows] LongTensor) on a masked target segment."""
+        if kind in self.row_t:
+            return self.target_rows(kind) * 3 + MODALITY_TAG[kind]
+        return self.mod_row(kind)
 
     def t_values(self, device):
         return torch.tensor(self.unique_t, dtype=torch.float32, device=device)
@@ -93,14 +124,15 @@ def text_tag_runs(tags, length):
 
 
 def mod_segments(layout, timesteps, text_tags=None):
-    """[(start, stop, mod_row)] covering the whole sequence contiguously."""
+    """[(start, stop, mod_row)] covering the whole sequence contiguously; mod_row is an int, or a
+    [stop - start] LongTensor on a target segment a denoise mask varies."""
     out = []
     for a, b, kind in layout.segments:
         if kind == "text" and text_tags is not None:
             base = timesteps.mod_row(kind, tag=0)
             out.extend((a + s, a + e, base + tag) for s, e, tag in text_tag_runs(text_tags, b - a))
         else:
-            out.append((a, b, timesteps.mod_row(kind)))
+            out.append((a, b, timesteps.segment_mod_row(kind)))
     return out
 
 

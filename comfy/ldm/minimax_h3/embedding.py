@@ -1,8 +1,10 @@
-"""Latents <-> token rows, condition rows with seeded noise augmentation, rope tables.
+"""Latents <-> token rows, denoise masks -> row strengths, condition rows with seeded noise augmentation,
+rope tables.
 
 Shapes at the boundaries:
   video latent [1, C, T, H, W]  <-> rows [T*H/2*W/2, C*1*2*2]   (patch 1x2x2, row order t, h, w)
   audio latent [1, C=32, 2, T]  <-> rows [2*T, C]               (channel-major: ch0 t0..T-1, ch1 ...)
+  denoise masks [1, 1, T, H, W] / [1, 1, 2, T] -> [rows] fp32   (a video row takes its patch's max)
   positions [S, 3] float64      ->  angles [S, 6*F] fp32        (F = rope inv_freq length)
   angles [S, rot]               ->  rotation table [1, S, 1, rot/2, 2, 2]
 """
@@ -37,6 +39,23 @@ def unpack_audio(rows, ch=2):
     """[ch*T, C] -> [1, C, ch, T]."""
     t = rows.shape[0] // ch
     return rows.reshape(ch, t, rows.shape[-1]).permute(2, 0, 1).unsqueeze(0)
+
+
+def mask_row_values(mask, latent_t, lat_h, lat_w):
+    """[T, H, W] denoise mask (1 = generate) at the unpadded latent grid -> [latent_t * lat_h/2 * lat_w/2]
+    fp32 per-row strength, or None when every row fully generates (upstream's name and contract).
+
+    A row takes the max over its 2x2 patch, so any pixel that generates lets the whole row move; the
+    padding repeats the edge pixels.
+    """
+    m = torch.nn.functional.pad(mask.to(torch.float32), (0, lat_w - mask.shape[-1], 0, lat_h - mask.shape[-2]), mode="replicate")
+    values = m.reshape(latent_t, lat_h // 2, 2, lat_w // 2, 2).amax(dim=(2, 4)).reshape(-1)
+    return None if bool((values >= 1.0 - 1e-3).all()) else values
+
+
+def audio_mask_rows(mask):
+    """[1, 1, 2, T] audio denoise mask -> [2*T] fp32 per-row strength in pack_audio's row order."""
+    return mask[0, 0].to(torch.float32).reshape(-1)
 
 
 def noise_augmented(rows, aug, seed):

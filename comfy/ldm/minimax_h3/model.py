@@ -21,8 +21,8 @@ import comfy.patcher_extension
 from . import kernels
 from .conditioning import (AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, audio_carry, carried_audio_velocity, curve_t_emb, sigma_shifts,
                            video_sigma)
-from .embedding import (check_condition_rows, condition_rows, pack_audio, patchify_video, rope_angles, rope_rotation_table, stream_rows,
-                        unpack_audio, unpatchify_video)
+from .embedding import (audio_mask_rows, check_condition_rows, condition_rows, mask_row_values, pack_audio, patchify_video, rope_angles,
+                        rope_rotation_table, stream_rows, unpack_audio, unpatchify_video)
 from .modules import DiTBlock, FinalLayer, TimeEmbedder, TokenRefiner
 from .pdd import PddHeads, bank_size
 from .plan import ForwardPlan
@@ -42,6 +42,12 @@ def _add_gates_of_state_dict(model, state_dict, prefix, *args):
         block.attn.add_gate_compress(model._operations, dtype=model.dtype, device=block.attn.qkv_proj.weight.device)
     model.config["gate_compress"] = True
     model._set_model_key()
+
+
+def _rows_to(segment, device):
+    """(start, stop, row) with a per-row LongTensor (masked rows) moved to `device` once per step."""
+    a, b, row = segment
+    return (a, b, row.to(device)) if isinstance(row, torch.Tensor) else segment
 
 
 class MiniMaxH3Model(nn.Module):
@@ -137,6 +143,9 @@ class MiniMaxH3Model(nn.Module):
     # -- forward -------------------------------------------------------------------------------------
 
     def forward(self, x, timestep, context, transformer_options={}, minimax_payload=None, **kwargs):
+        # newer model_base passes denoise_mask / audio_denoise_mask (see _forward) as keywords; they stay in
+        # kwargs so that the signature remains upstream's at the pinned base
+        denoise_mask, audio_denoise_mask = kwargs.get("denoise_mask"), kwargs.get("audio_denoise_mask")
         # the sampler carries the audio as (sigma_v / sigma_a) * x_audio; undo it outside the
         # wrappers so they and the network see the stream's own latent and velocity
         scale = float((minimax_payload or {}).get("audio_scale", 1.0))
@@ -155,12 +164,20 @@ class MiniMaxH3Model(nn.Module):
                 comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
             ).execute(x, timestep, context, transformer_options, minimax_payload=minimax_payload, **kwargs)
             out = keep(out)
+        # a row run at m * sigma returns m * v, so the sampler's x0 = x - sigma * v holds for it (before the carry)
+        if denoise_mask is not None:
+            out[0] = out[0] * denoise_mask
+        if audio_denoise_mask is not None:
+            out[1] = out[1] * audio_denoise_mask
         if scale != 1.0:
             out[1] = carried_audio_velocity(out[1], audio_src * carry, scale, sigma_a)
         return out
 
-    def _forward(self, x, timestep, context, transformer_options={}, minimax_payload=None, **kwargs):
-        inputs = StepInputs(x[0], x[1], timestep, context, minimax_payload or {}, transformer_options)
+    def _forward(self, x, timestep, context, transformer_options={}, minimax_payload=None, denoise_mask=None, audio_denoise_mask=None,
+                 **kwargs):
+        """denoise_mask [1, 1, T, H, W] / audio_denoise_mask [1, 1, 2, T]: per-pixel / per-frame strength
+        (1 = generate); a kept row runs at mask * sigma."""
+        inputs = StepInputs(x[0], x[1], timestep, context, minimax_payload or {}, transformer_options, denoise_mask, audio_denoise_mask)
         plan = self.plan(inputs)
         transformer_options["minimax_h3_layout"] = plan.layout  # segment spans, for attention patches
         runner = transformer_options.get(SEQUENCE_PARALLEL_OPTION)
@@ -178,12 +195,23 @@ class MiniMaxH3Model(nn.Module):
         padded = tuple(n + (-n) % p for n, p in zip(orig_thw, self.patch_size))  # as pad_to_patch_size pads it
         shifts = sigma_shifts(inputs.options, self.sigma_shift_video, self.sigma_shift_audio)
         plan = ForwardPlan.build(video.shape[:2] + padded, orig_thw, audio.shape, context.shape, float(video_sigma(inputs.timestep)),
-                                 shifts, inputs.payload, self.model_key, self.hidden_size)
+                                 shifts, inputs.payload, self.model_key, self.hidden_size, masks=self.mask_rows(inputs, padded))
         self.check_conditions(plan, inputs.payload)
         heads = bank_size(self.final_layer.video_out)
         if heads > 1:  # a PDD LoRA's head bank: the plan picks the heads of this step
             plan = dataclasses.replace(plan, pdd=PddHeads.select(heads, plan.sigma, inputs.options.get("sample_sigmas"), shifts))
         return plan
+
+    def mask_rows(self, inputs, latent_thw):
+        """(video, audio) [rows] fp32 CPU strengths of the target rows under the step's denoise masks, None
+        for a stream without one (the plan is CPU data: one copy of each mask per step)."""
+        video, audio = (None if m is None else m.to("cpu", torch.float32) for m in (inputs.denoise_mask, inputs.audio_denoise_mask))
+        for name, mask in (("denoise_mask", video), ("audio_denoise_mask", audio)):
+            if mask is not None and not bool(((mask >= 0.0) & (mask <= 1.0)).all()):
+                raise ValueError(f"MiniMax H3 {name} values must lie in [0, 1] (1 = generate, 0 = keep); found "
+                                 f"{float(mask.min())}..{float(mask.max())}: pass the sampler's denoise mask")
+        return (None if video is None else mask_row_values(video[0, 0], *latent_thw),
+                None if audio is None else audio_mask_rows(audio))
 
     def check_inputs(self, inputs):
         video_x, audio_x, context = inputs.video, inputs.audio, inputs.context
@@ -197,6 +225,11 @@ class MiniMaxH3Model(nn.Module):
         if context.ndim != 3 or context.shape[-1] not in (self.text_dim, self.hidden_size):
             raise ValueError(f"MiniMax H3 expects context [1, L, {self.text_dim}] (Qwen states) or [1, L, {self.hidden_size}] "
                              f"(refined); got {tuple(context.shape)}")
+        for name, mask, grid in (("denoise_mask", inputs.denoise_mask, video_x.shape[2:]),
+                                 ("audio_denoise_mask", inputs.audio_denoise_mask, audio_x.shape[2:])):
+            if mask is not None and tuple(mask.shape) != (1, 1, *grid):
+                raise ValueError(f"MiniMax H3 expects {name} {[1, 1, *grid]} (one channel of the first batch entry at the "
+                                 f"latent grid of x, as model_base passes it); got {tuple(mask.shape)}")
 
     def check_conditions(self, plan, payload):
         """Refuse what embed() could only fail on, while the plan is built: under sequence parallelism
@@ -270,7 +303,7 @@ class MiniMaxH3Model(nn.Module):
         h = self.embed(plan, shard, inputs)
         # rotation table computed once per forward, consumed by the fused split-half rope
         rope = rope_rotation_table(self.rope_freqs(shard.positions(plan), device), dtype)
-        mod = list(shard.mod_segments)
+        mod = [_rows_to(seg, device) for seg in shard.mod_segments]
         # sharded: a runner that offers it lets each rank project the adaLN modulation of 1/N of the
         # blocks and shares them (UlyssesAttention.adaln_projections); otherwise every block projects its own
         share = getattr(seq_parallel, "adaln_projections", None) if seq_parallel is not None and seq_parallel.world_size > 1 else None
@@ -295,7 +328,7 @@ class MiniMaxH3Model(nn.Module):
                 h = block(h, t_emb, mod, rope, transformer_options=transformer_options, seq_parallel=seq_parallel,
                           adaln=adaln[i])
         kernels.prefetch_pop(prefetch_queue, device, None)
-        return self.final_layer(h, t_emb, shard.video_seg, shard.audio_seg, pdd=plan.pdd)
+        return self.final_layer(h, t_emb, _rows_to(shard.video_seg, device), _rows_to(shard.audio_seg, device), pdd=plan.pdd)
 
     def unpack(self, plan, video_rows, audio_rows, video_dtype, audio_dtype):
         """Full target velocity rows -> [video, audio] outputs in the sampler's sign convention."""

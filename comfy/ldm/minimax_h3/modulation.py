@@ -1,5 +1,8 @@
 """adaLN modulation over mod segments: [(start, stop, mod_row)] covering the rows a rank holds.
 
+mod_row is one row of the [M, hidden] modulation tensors, or a [stop - start] LongTensor giving each
+row its own (target rows a denoise mask runs at several timesteps).
+
 Segments are global on a ForwardPlan and rebased to local row coordinates on a ShardPlan; the ops
 below only ever see local segments, so they are the same for native and sharded runs.
 """
@@ -17,7 +20,7 @@ def clip_segments(segments, start, stop):
     for a, b, row in segments:
         a2, b2 = max(a, start), min(b, stop)
         if a2 < b2:
-            out.append((a2 - start, b2 - start, row))
+            out.append((a2 - start, b2 - start, row[a2 - a:b2 - a] if isinstance(row, torch.Tensor) else row))
     return out
 
 
@@ -46,7 +49,9 @@ def norm_scale_shift(norm, x, shift, scale, segments):
     covered = sum(b - a for a, b, _ in segments) == x.shape[0]
     # a norm with forward-time weight patches (ComfyUI's low-VRAM LoRA path) must run its own forward
     patched = bool(getattr(norm, "weight_function", None)) or bool(getattr(norm, "bias_function", None))
-    if not kernels.fused_adaln(x) or not covered or patched or getattr(norm, "eps", None) is None or norm.weight is None:
+    # per-row modulation (masked rows) has no fused kernel: the kernel takes one scale/shift vector
+    per_row = any(isinstance(row, torch.Tensor) for _, _, row in segments)
+    if not kernels.fused_adaln(x) or not covered or patched or per_row or getattr(norm, "eps", None) is None or norm.weight is None:
         return mod_scale_shift(norm(x), shift, scale, segments)
     # every mod row folded at once (a handful of [M, hidden] kernels; per-row folding costs launches that show at small shards)
     w = comfy.model_management.cast_to(norm.weight, dtype=torch.float32, device=x.device)

@@ -9,11 +9,13 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+import torch
+
 from .conditioning import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, TimestepPlan, mod_segments
 from .layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout
 from .modulation import clip_segments
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 
 
 def balanced_ranges(total, parts):
@@ -37,8 +39,8 @@ class ForwardPlan:
     refine_text: bool           # context is raw Qwen states: run condition_proj + token refiner
     sigma: float                # video sigma (float32 value)
     timesteps: TimestepPlan = field(repr=False)
-    mod_segments: tuple         # global (start, stop, mod_row)
-    video_seg: tuple            # (start, stop, t_row) of the target video rows
+    mod_segments: tuple         # global (start, stop, mod_row); mod_row an int or a per-row LongTensor (masks)
+    video_seg: tuple            # (start, stop, t_row) of the target video rows; t_row an int or a per-row LongTensor
     audio_seg: tuple
     vis_aug: float
     aud_aug: float
@@ -47,7 +49,10 @@ class ForwardPlan:
     pdd: object = None          # pdd.PddHeads of a model with a PDD head bank, else None
 
     @classmethod
-    def build(cls, video_shape, orig_thw, audio_shape, context_shape, sigma, shifts, payload, model_key, hidden_size):
+    def build(cls, video_shape, orig_thw, audio_shape, context_shape, sigma, shifts, payload, model_key, hidden_size,
+              masks=(None, None)):
+        """masks: (video, audio) [rows] fp32 CPU strength of the target rows (embedding.mask_row_values /
+        audio_mask_rows), or None for a stream that fully generates."""
         _, _, lt, lh, lw = video_shape
         audio_t, text_len = audio_shape[-1], context_shape[1]
         layout = payload.get("layout")
@@ -56,13 +61,13 @@ class ForwardPlan:
             layout = PackedLayout(text_len, lt, lh, lw, audio_t, keyframes=payload.get("keyframes"), refs=payload.get("refs"))
         vis_aug = float(payload.get("visual_cond_noise_aug", VISUAL_COND_TIMESTEP))
         aud_aug = float(payload.get("audio_cond_noise_aug", AUDIO_COND_TIMESTEP))
-        ts = TimestepPlan(sigma, shifts[0], shifts[1], layout, vis_aug, aud_aug)
+        ts = TimestepPlan(sigma, shifts[0], shifts[1], layout, vis_aug, aud_aug, video_mask=masks[0], audio_mask=masks[1])
         va, vb = layout.segment("video")
         aa, ab = layout.segment("audio")
         return cls(layout=layout, latent_thw=(lt, lh, lw), orig_thw=tuple(orig_thw), audio_t=audio_t, text_len=text_len,
                    refine_text=context_shape[-1] != hidden_size, sigma=float(sigma), timesteps=ts,
                    mod_segments=tuple(mod_segments(layout, ts, payload.get("text_token_tags"))),
-                   video_seg=(va, vb, ts.t_row[ts.t_video]), audio_seg=(aa, ab, ts.t_row[ts.t_audio]),
+                   video_seg=(va, vb, ts.target_rows("video")), audio_seg=(aa, ab, ts.target_rows("audio")),
                    vis_aug=vis_aug, aud_aug=aud_aug, seed=int(payload.get("seed", 0)), model_key=model_key)
 
     @property
@@ -75,8 +80,8 @@ class ForwardPlan:
                 "orig_thw": list(self.orig_thw), "audio_t": self.audio_t, "text_len": self.text_len,
                 "refine_text": self.refine_text, "sigma": self.sigma.hex(),
                 "unique_t": [t.hex() for t in self.timesteps.unique_t],
-                "segments": [list(s) for s in self.layout.segments], "mod_segments": [list(s) for s in self.mod_segments],
-                "video_seg": list(self.video_seg), "audio_seg": list(self.audio_seg),
+                "segments": [list(s) for s in self.layout.segments], "mod_segments": [_segment_json(s) for s in self.mod_segments],
+                "video_seg": _segment_json(self.video_seg), "audio_seg": _segment_json(self.audio_seg),
                 "vis_aug": self.vis_aug.hex(), "aud_aug": self.aud_aug.hex(), "seed": self.seed,
                 "layout": self.layout.fingerprint(), "model": self.model_key,
                 "pdd": None if self.pdd is None else self.pdd.describe()}
@@ -87,6 +92,14 @@ class ForwardPlan:
 
     def shard(self, world_size=1, rank=0, heads=None):
         return ShardPlan.build(self, world_size, rank, heads)
+
+
+def _segment_json(segment):
+    """(start, stop, row) for a digest: a per-row LongTensor enters by its length and content hash."""
+    a, b, row = segment
+    if isinstance(row, torch.Tensor):
+        row = {"rows": row.numel(), "sha256": hashlib.sha256(row.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()}
+    return [a, b, row]
 
 
 def _stream_offsets(segments, kinds):
@@ -148,8 +161,8 @@ class ShardPlan:
             a, b, t_row = seg
             a2, b2 = max(a, r0), min(b, r1)
             if a2 >= b2:
-                return (0, 0, t_row), (0, 0)
-            return (a2 - r0, b2 - r0, t_row), (a2 - a, b2 - a)
+                return (0, 0, t_row[0:0] if isinstance(t_row, torch.Tensor) else t_row), (0, 0)
+            return (a2 - r0, b2 - r0, t_row[a2 - a:b2 - a] if isinstance(t_row, torch.Tensor) else t_row), (a2 - a, b2 - a)
 
         video_seg, video_rows = target(plan.video_seg)
         audio_seg, audio_rows = target(plan.audio_seg)

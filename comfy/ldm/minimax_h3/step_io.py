@@ -1,15 +1,15 @@
 """StepInputs: one step's inputs, and their wire form (named tensors + a JSON tree) for other ranks.
 
-The wire form is internal. Only what changes the numerics crosses: latents, timestep, context, the
-H3 payload minus its prebuilt layout (every rank rebuilds it) and the sigma shifts and schedule; what
-cannot be sent, and options that would run on rank 0's rows only, are refused by name.
+The wire form is internal. Only what changes the numerics crosses: latents, timestep, context, denoise
+masks, the H3 payload minus its prebuilt layout (every rank rebuilds it) and the sigma shifts and schedule;
+what cannot be sent, and options that would run on rank 0's rows only, are refused by name.
 """
 
 from dataclasses import dataclass, field
 
 import torch
 
-STEP_IO_VERSION = 3
+STEP_IO_VERSION = 4
 TENSOR_TAG = "__tensor__"
 SHIFT_KEYS = ("minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio")
 SAMPLE_SIGMAS = "sample_sigmas"  # the sampler's schedule: PDD head banks pick their heads by it
@@ -70,7 +70,8 @@ class StepInputs:
 
     video [1, C, T, H, W] (not yet padded to the patch size), audio [1, C, 2, T], timestep [1]
     (sigma * 1000), context [1, L, text_dim or hidden], payload (``minimax_payload``), options
-    (``transformer_options``).
+    (``transformer_options``), denoise masks (1 = generate) video [1, 1, T, H, W] and audio
+    [1, 1, 2, T] or None.
     """
     video: torch.Tensor
     audio: torch.Tensor
@@ -78,6 +79,8 @@ class StepInputs:
     context: torch.Tensor
     payload: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
+    denoise_mask: torch.Tensor = None
+    audio_denoise_mask: torch.Tensor = None
 
     def encode(self):
         """-> (tensors {name: Tensor}, meta JSON tree) for ``decode`` on another rank."""
@@ -88,6 +91,8 @@ class StepInputs:
                 "video": _encode(self.video, "x[0]", tensors), "audio": _encode(self.audio, "x[1]", tensors),
                 "timestep": _encode(self.timestep, "timestep", tensors), "context": _encode(self.context, "context", tensors),
                 "payload": _encode(sent, "minimax_payload", tensors),
+                "denoise_mask": _encode(self.denoise_mask, "denoise_mask", tensors),
+                "audio_denoise_mask": _encode(self.audio_denoise_mask, "audio_denoise_mask", tensors),
                 "options": _encode(_sent_options(self.options), "transformer_options", tensors)}
         return tensors, meta
 
@@ -100,4 +105,5 @@ class StepInputs:
         if unknown:
             raise ValueError(f"step inputs carry unknown options {unknown}")
         d = lambda key: _decode(meta[key], tensors)
-        return cls(d("video"), d("audio"), d("timestep"), d("context"), d("payload"), d("options"))
+        return cls(d("video"), d("audio"), d("timestep"), d("context"), d("payload"), d("options"),
+                   d("denoise_mask"), d("audio_denoise_mask"))

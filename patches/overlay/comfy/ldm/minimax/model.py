@@ -2,7 +2,7 @@
 
 Every name upstream's module defined is here, under its old name, as the package's own object;
 setting ``optimized_attention`` here swaps the attention function H3 calls, as it did upstream.
-This module only promises what upstream's module offered and will not grow.
+This module only promises what upstream's module offers (newer upstream names included) and nothing more.
 """
 
 import sys
@@ -34,6 +34,9 @@ from comfy.ldm.minimax_h3.layout import video_t_grid as _video_t_grid  # noqa: F
 from comfy.ldm.minimax_h3.layout import video_t_spans as _video_t_spans  # noqa: F401
 from comfy.ldm.minimax_h3.modulation import mod_gate as _mod_gate  # noqa: F401
 from comfy.ldm.minimax_h3.modulation import mod_scale_shift as _mod_scale_shift  # noqa: F401
+
+# Names newer upstream modules added (after 0f1fa67), same signatures and results.
+from comfy.ldm.minimax_h3.embedding import mask_row_values  # noqa: F401
 
 
 class _ReexportModule(types.ModuleType):
