@@ -10,7 +10,9 @@ import torch
 
 import rank_steps
 import upstream_newer as un
+from comfy.ldm.minimax_h3.pdd import head_shares
 from comfy.ldm.minimax_h3.step_io import StepInputs
+from compat_reexport_test import _reexport
 from upstream_newer_test import _assert_matches, _pdd_head
 
 pytestmark = pytest.mark.comfyui
@@ -58,12 +60,11 @@ def test_plan_picks_the_heads_by_hand_and_its_digest_covers_them(comfyui_dir):
     sigmas = un.sample_sigmas()
     plan = _plan(model, "pdd_mid")
     # step 3 of 8 on a 16-head bank: heads [6, 8) of the unshifted grid
-    assert (plan.pdd.heads, plan.pdd.start, plan.pdd.stop) == (16, 6, 8)
-    shift_v, shift_a = un.SHIFTS
-    for stream, shift in enumerate((shift_v, shift_a)):
+    assert (plan.pdd.heads, plan.pdd.start, plan.pdd.stop, plan.pdd.shifts) == (16, 6, 8, un.SHIFTS)
+    for shift in un.SHIFTS:  # each stream weighs the two heads by their spans on its own shifted grid
         t = [1.0 - shift * (1 - k / 16) / (1.0 + (shift - 1.0) * (1 - k / 16)) for k in (6, 7, 8)]
         dt = [t[1] - t[0], t[2] - t[1]]
-        assert plan.pdd.weights[stream] == pytest.approx([d / sum(dt) for d in dt], rel=1e-12)
+        assert head_shares(16, 6, 8, shift).tolist() == pytest.approx([d / sum(dt) for d in dt], rel=1e-12)
     assert plan.digest() == _plan(model, "pdd_mid").digest()
     # a schedule whose next sigma moves the span, and a bank of another size, change the digest
     moved = sigmas.clone()
@@ -117,6 +118,8 @@ def test_final_layer_newer_signature_mixes_the_heads_it_spans(comfyui_dir, step)
         h = layer.norm(x[rows]) * (1.0 + scale[row]) + shift[row]
         weight, bias = _pdd_head(head.weight, head.bias, 16, start, stop, flow_shift)
         torch.testing.assert_close(got, torch.nn.functional.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
+        # the compatibility re-export's _pdd_head(head, h, n, start, stop, flow_shift), as newer upstream names it
+        torch.testing.assert_close(_reexport()._pdd_head(head, h, 16, start, stop, flow_shift), got, atol=0, rtol=0)
     plain, _ = un.build_model(rank_steps.OURS, {})
     layer = plain.final_layer
     video, _ = layer(x, t_emb, (0, 5, 1), (5, 9, 0))

@@ -21,12 +21,31 @@ def bank_size(linear):
     return linear.weight.shape[0] // linear.out_features
 
 
+def head_shares(heads, start, stop, shift):
+    """[stop - start] float64 shares of heads start..stop-1 in a step: each head's span on the time grid
+    of a stream with this sigma shift, normalised over the step."""
+    grid = torch.linspace(1.0, 0.0, heads + 1, dtype=torch.float64)
+    dt = (1.0 - shift * grid / (1.0 + (shift - 1.0) * grid)).diff()[start:stop]
+    return dt / dt.sum()
+
+
+def pdd_head(linear, h, heads, start, stop, shift):
+    """h [rows, in] through the head of `linear`'s bank a step over heads [start, stop) runs -> [rows, out]."""
+    first = max(start, 1)  # head 0 always enters whole; at start 0 its share goes unused
+    share = head_shares(heads, start, stop, shift).to(h)[first - start:]
+    with comfy.ops.CastBiasWeightContext(linear, h, offloadable=True) as (weight, bias):
+        bank_w, bank_b = weight.unflatten(0, (heads, -1)), bias.unflatten(0, (heads, -1))
+        head_w = bank_w[0] + torch.tensordot(share, bank_w[first:stop], dims=1)
+        head_b = bank_b[0] + torch.tensordot(share, bank_b[first:stop], dims=1)
+        return nn.functional.linear(h, head_w, head_b)
+
+
 @dataclass(frozen=True)
 class PddHeads:
     heads: int          # n, the bank size
     start: int          # the step spans heads [start, stop) of the n-step grid
     stop: int
-    weights: tuple      # per stream ("video", "audio"): float64 shares of heads start..stop-1
+    shifts: tuple       # (video, audio) sigma shifts: each stream weighs the heads on its own time grid
 
     @classmethod
     def select(cls, heads, sigma, sample_sigmas, shifts):
@@ -42,27 +61,14 @@ class PddHeads:
         # both ends map to the unshifted grid through the video shift
         start, stop = (round(float(1.0 - time_shift_sigma(s, shifts[0], 1.0)) * heads) for s in (sigma, following))
         start = min(start, heads - 1)
-        stop = max(stop, start + 1)
-        grid = torch.linspace(1.0, 0.0, heads + 1, dtype=torch.float64)
-        weights = []
-        for shift in shifts:  # each stream spreads the span over its own shifted time grid
-            dt = (1.0 - shift * grid / (1.0 + (shift - 1.0) * grid)).diff()[start:stop]
-            weights.append(tuple((dt / dt.sum()).tolist()))
-        return cls(heads, start, stop, tuple(weights))
+        return cls(heads, start, max(stop, start + 1), tuple(float(s) for s in shifts))
 
     def describe(self):
-        return {"heads": self.heads, "start": self.start, "stop": self.stop,
-                "weights": [[w.hex() for w in ws] for ws in self.weights]}
+        return {"heads": self.heads, "start": self.start, "stop": self.stop, "shifts": [s.hex() for s in self.shifts]}
 
     def apply(self, linear, h, stream):
         """linear's bank mixed for this step, applied to h [rows, in] -> [rows, out]; stream 0 video, 1 audio."""
         if bank_size(linear) != self.heads:
             raise ValueError(f"MiniMax H3 plan picked PDD heads of a {self.heads}-head bank, but the output layer holds "
                              f"{bank_size(linear)}: the model's patches changed during the step")
-        first = max(self.start, 1)  # head 0 always enters whole; at start 0 its share goes unused
-        share = torch.tensor(self.weights[stream], dtype=torch.float64).to(h)[first - self.start:]
-        with comfy.ops.CastBiasWeightContext(linear, h, offloadable=True) as (weight, bias):
-            bank_w, bank_b = weight.unflatten(0, (self.heads, -1)), bias.unflatten(0, (self.heads, -1))
-            head_w = bank_w[0] + torch.tensordot(share, bank_w[first:self.stop], dims=1)
-            head_b = bank_b[0] + torch.tensordot(share, bank_b[first:self.stop], dims=1)
-            return nn.functional.linear(h, head_w, head_b)
+        return pdd_head(linear, h, self.heads, self.start, self.stop, self.shifts[stream])

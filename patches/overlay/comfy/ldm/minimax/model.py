@@ -37,6 +37,7 @@ from comfy.ldm.minimax_h3.modulation import mod_scale_shift as _mod_scale_shift 
 
 # Names newer upstream modules added (after 0f1fa67), same signatures and results.
 from comfy.ldm.minimax_h3.embedding import mask_row_values  # noqa: F401
+from comfy.ldm.minimax_h3.pdd import pdd_head as _pdd_head  # noqa: F401
 
 
 class _ReexportModule(types.ModuleType):
