@@ -1,9 +1,10 @@
 """MiniMax H3 Sequence Parallel: run an H3 model's denoising steps sharded over several GPUs.
 
 The node attaches a SequenceParallel runner to a clone of the model. Workers belong to the base
-model and the device list: they start before the first sampling run and are brought to the patch
-state of the patcher that samples (ON_PRE_RUN, after any LoRA loaders downstream) before every
-run; new seeds and LoRA edits reuse them. They end when ComfyUI unloads the model or frees it.
+model and the device list: they start, and take the patch state of the patcher that samples (any
+LoRA loaders downstream included), while rank 0 loads that patcher (PREPARE_SAMPLING), and every
+rank has acked it before the first step (ON_PRE_RUN); new seeds and LoRA edits reuse them. They end
+when ComfyUI unloads the model or frees it.
 """
 
 import logging
@@ -73,6 +74,12 @@ def attach(model, devices):
     sp = runner_for(model, devices)
     m = model.clone()
 
+    def prepare_sampling(executor, patcher, *args, **kwargs):
+        # the workers start and take the patch state while rank 0 loads and patches its own copy
+        refuse_multigpu_clones(patcher)
+        sp.prepare_in_background(patcher)
+        return executor(patcher, *args, **kwargs)
+
     def on_pre_run(patcher):
         refuse_multigpu_clones(patcher)
         sp.prepare(patcher)
@@ -83,6 +90,7 @@ def attach(model, devices):
             logging.info("MiniMax H3 sequence parallel: model unloaded, closing %d worker(s)", len(devices) - 1)
             sp.close()
 
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, "minimax_h3_sequence_parallel", prepare_sampling)
     m.add_callback(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, on_pre_run)
     m.add_callback(comfy.patcher_extension.CallbacksMP.ON_DETACH, on_detach)
     to = m.model_options["transformer_options"] = m.model_options.get("transformer_options", {}).copy()

@@ -359,3 +359,39 @@ def test_multigpu_cfg_split_on_the_same_model_is_refused_before_or_after_the_nod
     finally:
         _runner(node).close()
         comfy.model_management.unload_all_models()
+
+
+def test_workers_take_the_patch_state_while_rank0_loads_its_model(workflow, monkeypatch):
+    """The patch sync is sent while rank 0's own load_models_gpu runs, so a LoRA change costs the larger of
+    the two, not their sum. Here rank 0's load waits until the sync has started: with the sync sent only
+    after that load (ON_PRE_RUN), it would never start and the wait would run out."""
+    import threading
+    import comfy.model_management
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    node = w.parallel(base, "cpu,cpu")
+    sp = _runner(node)
+    started, waited = threading.Event(), []
+    run, load = sp.group.run, comfy.model_management.load_models_gpu
+
+    def watched_run(op, tensors, meta):
+        if op.endswith("patches"):
+            started.set()
+        return run(op, tensors, meta)
+
+    def rank0_load(models, *args, **kwargs):
+        if any(getattr(m, "model", None) is base.model for m in models):
+            waited.append(started.wait(timeout=120))
+        return load(models, *args, **kwargs)
+
+    try:
+        sp.group.run = watched_run
+        monkeypatch.setattr(comfy.model_management, "load_models_gpu", rank0_load)
+        sharded = w.sample(w.lora(node, 0.8), steps=2)
+        assert waited and all(waited) and sp.steps_run == 2 * 2
+        del sp.group.run
+        native = w.sample(w.lora(base, 0.8), steps=2)
+    finally:
+        sp.close()
+        comfy.model_management.unload_all_models()
+    assert _rel(sharded, native) <= TOL

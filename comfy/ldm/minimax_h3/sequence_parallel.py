@@ -8,6 +8,7 @@ a preflight proves plan, patch version and model set-up equal on every rank befo
 import contextlib
 import dataclasses
 import logging
+import threading
 import types
 
 import torch
@@ -101,13 +102,43 @@ class SequenceParallel:
         self.last_sent = None  # describe() of the last update sync() sent; None when the last call sent nothing
         self.steps_run = 0
         self._rank0 = {}  # rank 0's ctx.state: no reference to a ModelPatcher, which would keep the base model alive
+        self._background = None  # (patcher, thread, outcome) of prepare_in_background until prepare joins it
 
     @property
     def world_size(self):
         return len(self.devices)
 
+    def prepare_in_background(self, patcher):
+        """Start ``prepare(patcher)`` on a thread: the workers start and take the patch state while rank 0
+        loads and patches its own copy. ``prepare`` of the same patcher then waits for it."""
+        self._join_background()
+        outcome = {}
+
+        def run():
+            try:
+                self._prepare(patcher)
+            except BaseException as e:
+                outcome["error"] = e
+        thread = threading.Thread(target=run, name=f"{self.group.name}-prepare", daemon=True)
+        self._background = (patcher, thread, outcome)
+        thread.start()
+
     def prepare(self, patcher):
         """Before sampling with ``patcher`` (ON_PRE_RUN): workers started, every rank on its patch state."""
+        pending = self._join_background()
+        if pending is not None and pending[0] is patcher:
+            if "error" in pending[2]:
+                raise pending[2]["error"]
+            return
+        self._prepare(patcher)
+
+    def _join_background(self):
+        pending, self._background = self._background, None
+        if pending is not None:
+            pending[1].join()
+        return pending
+
+    def _prepare(self, patcher):
         self.ensure_started(patcher)
         self._rank0["describe"] = headless.describe(patcher)
         self.sync(snapshots.PatchSnapshot.capture(patcher, previous=self.synced))
@@ -179,6 +210,7 @@ class SequenceParallel:
         return result.tensors["video"], result.tensors["audio"]
 
     def close(self):
+        self._join_background()
         self.group.close()
         self.synced = None
 
