@@ -112,6 +112,7 @@ class SequenceParallel:
         """Start ``prepare(patcher)`` on a thread: the workers start and take the patch state while rank 0
         loads and patches its own copy. ``prepare`` of the same patcher then waits for it."""
         self._join_background()
+        headless.weights_fingerprint(patcher)  # read here, not while rank 0's load patches the weights
         outcome = {}
 
         def run():
