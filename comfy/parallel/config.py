@@ -27,8 +27,6 @@ class Timeouts:
       (the only wait in which a dead worker is noticed by this timeout rather than within seconds).
     * ``op``: default deadline of one ``run()``; late workers are killed.
     * ``cancel``: ``cancel()`` -> every worker has left the op; late workers are killed.
-    * ``idle``: how long a worker waits for the next op; None waits forever (workers block on their
-      control pipe, not in a collective, so idling never trips a collective timeout).
     * ``collective``: backstop timeout of a single gloo/NCCL collective inside an op.
     * ``stopped``: how long a worker may stay stopped (SIGSTOP, a tracer) before the group faults
       naming it; its peers would otherwise wait in a collective until the op deadline.
@@ -38,15 +36,12 @@ class Timeouts:
     rendezvous: float = 60.0
     op: float = 600.0
     cancel: float = 10.0
-    idle: float | None = None
     collective: float = 600.0
     stopped: float = 5.0
     close: float = 5.0
 
     def __post_init__(self):
         for name, value in asdict(self).items():
-            if value is None and name == "idle":
-                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"Timeouts.{name} must be a positive number of seconds, got {value!r}")
 
@@ -96,7 +91,7 @@ def validate_worker_spec(spec):
                               "pass paths and plain values, not objects") from None
     imports = spec.get("imports") or []
     if not isinstance(imports, list) or not all(isinstance(m, str) and _MODULE_RE.match(m) for m in imports):
-        raise WorkerSpecError(f"worker_spec['imports'] must be a list of module names such as 'comfy.ldm.minimax_h3.parallel', got {imports!r}")
+        raise WorkerSpecError(f"worker_spec['imports'] must be a list of module names such as 'comfy.ldm.minimax_h3.sequence_parallel', got {imports!r}")
     setup = spec.get("setup")
     if setup is not None:
         mod, _, fn = setup.partition(":") if isinstance(setup, str) else ("", "", "")

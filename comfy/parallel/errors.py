@@ -1,14 +1,6 @@
-"""Typed errors of the process-group owner.
+"""Typed errors of the process-group owner, and the workers' exit codes.
 
-Every error names the rank it is about (``rank``; 0 is the calling process) and ends with what to
-do. The split that matters to callers:
-
-* ``ParallelStateError``: the call was made in the wrong lifecycle state; nothing happened.
-* ``PreflightMismatch`` and ``ParallelCancelled``: raised on every rank at the same agreement point,
-  so the group is still consistent and stays ``ready`` (unless ``group_broken`` says otherwise).
-* ``ParallelGroupError`` (and its ``ParallelTimeout`` / ``ParallelOpError``): a rank died, hung or
-  failed mid-op; collectives may be out of step, so the group is ``broken`` until ``close()`` and a
-  new ``start()`` (``ParallelGroup.ensure_started()`` does both).
+Every error names the rank it is about (``rank``; 0 is the calling process) and ends with what to do.
 """
 
 import signal
@@ -17,7 +9,6 @@ import signal
 EXIT_OK = 0
 EXIT_PROTOCOL = 3
 EXIT_PARENT_GONE = 4
-EXIT_IDLE = 5
 EXIT_STARTUP = 6
 EXIT_INTERNAL = 7
 
@@ -25,7 +16,6 @@ _EXIT_MEANING = {
     EXIT_OK: "exited normally",
     EXIT_PROTOCOL: "rejected a control message (see its log for which check failed)",
     EXIT_PARENT_GONE: "lost its control channel to rank 0",
-    EXIT_IDLE: "waited longer than the idle timeout for work and left",
     EXIT_STARTUP: "failed during start-up (import, rendezvous, probe or setup; traceback in its log)",
     EXIT_INTERNAL: "hit an internal error in the worker loop (traceback in its log)",
 }
@@ -48,7 +38,15 @@ def describe_exit(exitcode):
 
 
 class ParallelError(RuntimeError):
-    """Base class of every error raised by comfy.parallel."""
+    """Base class of every error raised by comfy.parallel. The split that matters to callers:
+
+    * ``ParallelStateError``: the call was made in the wrong lifecycle state; nothing happened.
+    * ``PreflightMismatch`` and ``ParallelCancelled``: raised on every rank at the same agreement point,
+      so the group is still consistent and stays ``ready`` (unless ``group_broken`` says otherwise).
+    * ``ParallelGroupError`` (and its ``ParallelTimeout`` / ``ParallelOpError``): a rank died, hung or
+      failed mid-op; collectives may be out of step, so the group is ``broken`` until ``close()`` and a
+      new ``start()`` (``ParallelGroup.ensure_started()`` does both).
+    """
 
 
 class ParallelStateError(ParallelError):

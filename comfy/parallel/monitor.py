@@ -1,18 +1,7 @@
 """Rank 0's monitor thread: the only reader of the workers' reply pipes, and their watchdog.
 
-It runs for the life of the workers and, every ``POLL`` seconds or as soon as a pipe is readable:
-* decodes replies (authenticated, in order) and hands them to whoever waits (``wait_replies``,
-  ``OpRunner``), checking that each is the reply expected at that point;
-* notices a worker that exited (EOF on its pipe, or its process reaped) and records a
-  ``ParallelGroupError`` with its rank, exit code and log tail; likewise a worker stopped for
-  longer than ``Timeouts.stopped`` (its peers would wait for it until the op deadline);
-* records ``ParallelOpError`` when a worker reports that an op raised;
-* enforces the in-flight op's deadline and cancel deadline: late workers first dump their stacks
-  into their logs (SIGUSR1 -> faulthandler), then are killed. Only workers that replied "booted"
-  get SIGUSR1: before that their handler may not be installed, and the signal's default action
-  kills (the fault would read "killed by SIGUSR1" instead of a timeout).
-Recording a fault kills every worker, which also ends any collective rank 0 is blocked in, so no
-call waits past its deadline plus about a second.
+It turns every way a worker can fail (exit, bad frame, op error, stop, missed deadline) into one
+recorded fault (``GroupCore.fault``), which kills every worker and so ends any collective rank 0 waits in.
 """
 
 import logging
@@ -23,6 +12,7 @@ import threading
 import time
 
 from .errors import ParallelGroupError, ParallelOpError, ParallelStateError, ParallelTimeout, ProtocolError, RESTART_HINT, describe_exit
+from .state import ENDING
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +25,26 @@ _STATUSES = ("ok", "cancelled", "mismatch", "error")
 
 
 class Monitor:
-    def __init__(self, group):
-        self._group = group
-        self._cond = group._cond
+    """Runs for the life of the workers; every ``POLL`` seconds, or as soon as a pipe is readable, it:
+
+    * decodes replies (authenticated, in order), checks each is the one expected at that point and
+      hands it to whoever waits (``wait_replies``, the op in flight's ``replies``);
+    * notices a worker that exited (EOF or reaped: rank, exit code, log tail), that reported an op
+      error, or that stays stopped longer than ``Timeouts.stopped``;
+    * enforces the op and cancel deadlines: late workers dump their stacks into their logs (SIGUSR1 ->
+      faulthandler; only after "booted", before that the signal's default action kills), then die.
+    """
+
+    def __init__(self, core):
+        self._core = core
+        self._cond = core.cond
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._loop, name=f"parallel-monitor-{group.name}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"parallel-monitor-{core.name}", daemon=True)
         self._timeout_lock = threading.Lock()
         self.inbox = {}
-        self.op = None
 
     def start(self):
         self._thread.start()
@@ -72,13 +71,13 @@ class Monitor:
     def wait_until(self, done, deadline, missing, what):
         """Block until ``done()`` (under the group lock), a fault, or ``deadline`` (then the ranks in
         ``missing()`` are dumped, killed and reported as ``ParallelTimeout``)."""
-        g = self._group
+        core = self._core
         with self._cond:
             while True:
-                if g._error is not None:
-                    raise g._error
-                if g._state in ("closing", "closed"):
-                    raise ParallelStateError(f"group {g.name!r} was closed during {what}", g._state)
+                if core.error is not None:
+                    raise core.error
+                if core.state in ENDING:
+                    raise ParallelStateError(f"group {core.name!r} was closed during {what}", core.state)
                 if done():
                     return
                 left = deadline() - time.monotonic()
@@ -95,11 +94,11 @@ class Monitor:
 
     def timeout_fault(self, ranks, what):
         """Record (once) that ``ranks`` missed the deadline of ``what``; returns the recorded fault."""
-        g = self._group
+        core = self._core
         with self._timeout_lock:
-            if g._error is not None:
-                return g._error
-            late = [w for w in g._workers if w.rank in ranks]
+            if core.error is not None:
+                return core.error
+            late = [w for w in core.workers if w.rank in ranks]
             booting = [w.rank for w in late if w.phase == "spawned"]
             dumping = [w for w in late if w.phase != "spawned" and w.poll() is None]
             for w in dumping:
@@ -120,7 +119,7 @@ class Monitor:
                 log_path=first.log_path if first else None,
                 hint="raise the matching Timeouts setting if the work is legitimately slow; otherwise look for a hang "
                      f"in the stack above; then {RESTART_HINT}")
-            return g._record_fault(err)
+            return core.fault(err)
 
     # -- the thread ------------------------------------------------------------------------------
 
@@ -129,11 +128,11 @@ class Monitor:
             while not self._stop.is_set():
                 self._step()
         except Exception as e:
-            logger.exception("parallel monitor of %r failed", self._group.name)
-            self._group._record_fault(ParallelGroupError(f"rank 0's monitor thread failed: {e!r}", rank=0))
+            logger.exception("parallel monitor of %r failed", self._core.name)
+            self._core.fault(ParallelGroupError(f"rank 0's monitor thread failed: {e!r}", rank=0))
 
     def _step(self):
-        workers = {w.reply_fd: w for w in self._group._workers if not w.eof and w.reply_fd is not None}
+        workers = {w.reply_fd: w for w in self._core.workers if not w.eof and w.reply_fd is not None}
         try:
             readable, _, _ = select.select([*workers, self._wake_r], [], [], POLL)
         except (OSError, ValueError):
@@ -155,22 +154,22 @@ class Monitor:
                 if w.wait(1.0) is not None:
                     self._on_exit(w)
                 else:
-                    self._group._record_fault(ParallelGroupError(
+                    self._core.fault(ParallelGroupError(
                         f"rank 0 rejected a control message from worker rank {w.rank}: {e}", rank=w.rank,
                         log_tail=w.log_tail(), log_path=w.log_path))
                 continue
             for m in messages:
                 self._on_message(w, m)
-        for w in list(self._group._workers):
+        for w in list(self._core.workers):
             if not w.exit_handled and (w.eof or w.poll() is not None):
                 self._on_exit(w)
         self._check_stopped()
         self._check_deadline()
 
     def _on_message(self, w, m):
-        g = self._group
+        core = self._core
         expected = _EXPECTED[w.phase]
-        op = self.op
+        op = core.op
         problem = None
         if m.kind != expected:
             problem = f"sent a {m.kind!r} message where {expected!r} was expected"
@@ -180,7 +179,7 @@ class Monitor:
             elif m.body.get("status") not in _STATUSES or not isinstance(m.body.get("meta", {}), dict):
                 problem = f"sent a malformed result {m.body!r:.200}"
         if problem:
-            g._record_fault(ParallelGroupError(f"worker rank {w.rank} {problem}; the control streams are out of step",
+            core.fault(ParallelGroupError(f"worker rank {w.rank} {problem}; the control streams are out of step",
                                                rank=w.rank, log_tail=w.log_tail(), log_path=w.log_path))
             return
         with self._cond:
@@ -197,7 +196,7 @@ class Monitor:
             if dead is not None:
                 self._on_exit(dead)
             e = m.body.get("error") or {}
-            g._record_fault(ParallelOpError(
+            core.fault(ParallelOpError(
                 f"op {op.name!r} (id {op.id}) raised {e.get('type', 'an error')} on worker rank {w.rank}: {e.get('message', '')}",
                 rank=w.rank, remote_traceback=e.get("traceback", ""), log_path=w.log_path,
                 hint="fix the op or its inputs; after a failure on some ranks collectives may be out of step, so "
@@ -207,7 +206,7 @@ class Monitor:
         """A worker other than ``reporter`` that exits within ``grace`` seconds, else None."""
         end = time.monotonic() + grace
         while True:
-            for w in self._group._workers:
+            for w in self._core.workers:
                 if w is not reporter and not w.exit_handled and w.poll() is not None:
                     return w
             if time.monotonic() >= end:
@@ -217,10 +216,10 @@ class Monitor:
     def _on_exit(self, w):
         code = w.wait(2.0)
         w.exit_handled = True
-        g = self._group
+        core = self._core
         with self._cond:
-            quiet = g._state in ("closing", "closed") or g._error is not None
-            op = self.op
+            quiet = core.state in ENDING or core.error is not None
+            op = core.op
             if w.phase != "ready":
                 when = f"during start-up (after '{w.phase}')"
             elif op is not None and w.rank not in op.replies:
@@ -230,34 +229,34 @@ class Monitor:
         if quiet:
             return
         what = describe_exit(code) if code is not None else "closed its control channel but has not exited"
-        g._record_fault(ParallelGroupError(f"worker rank {w.rank} (pid {w.pid}, {w.device}) {what} {when}", rank=w.rank,
+        core.fault(ParallelGroupError(f"worker rank {w.rank} (pid {w.pid}, {w.device}) {what} {when}", rank=w.rank,
                                            exitcode=code, log_tail=w.log_tail(), log_path=w.log_path))
 
     def _check_stopped(self):
-        g = self._group
+        core = self._core
         now = time.monotonic()
-        for w in list(g._workers):
+        for w in list(core.workers):
             if w.exit_handled or not w.is_stopped():
                 w.stopped_since = None
             elif w.stopped_since is None:
                 w.stopped_since = now
-            elif now - w.stopped_since > g.timeouts.stopped and g._error is None:
-                g._record_fault(ParallelGroupError(
+            elif now - w.stopped_since > core.timeouts.stopped and core.error is None:
+                core.fault(ParallelGroupError(
                     f"worker rank {w.rank} (pid {w.pid}, {w.device}) is stopped (SIGSTOP?) and stayed stopped for more "
-                    f"than {g.timeouts.stopped:g}s (Timeouts.stopped); it was killed", rank=w.rank,
+                    f"than {core.timeouts.stopped:g}s (Timeouts.stopped); it was killed", rank=w.rank,
                     log_tail=w.log_tail(), log_path=w.log_path,
                     hint=f"find what stopped it (a debugger, a job-control signal, a container freezer); then {RESTART_HINT}"))
 
     def _check_deadline(self):
-        op = self.op
-        g = self._group
-        if op is None or op.finished or g._error is not None:
+        core = self._core
+        op = core.op
+        if op is None or op.finished or core.error is not None:
             return
-        missing = [w.rank for w in g._workers if w.rank not in op.replies]
+        missing = [w.rank for w in core.workers if w.rank not in op.replies]
         if not missing:
             return
         now = time.monotonic()
-        if op.cancel_at is not None and now > op.cancel_at + g.timeouts.cancel:
-            self.timeout_fault(missing, f"acknowledging cancel of op {op.name!r} (id {op.id}) within {g.timeouts.cancel:g}s")
+        if op.cancel_at is not None and now > op.cancel_at + core.timeouts.cancel:
+            self.timeout_fault(missing, f"acknowledging cancel of op {op.name!r} (id {op.id}) within {core.timeouts.cancel:g}s")
         elif now > op.deadline:
             self.timeout_fault(missing, f"op {op.name!r} (id {op.id}) within its {op.timeout:g}s timeout")

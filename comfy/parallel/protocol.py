@@ -1,26 +1,7 @@
 """Control messages between rank 0 and its workers: framing, authentication, schema, order.
 
-Wire format of one frame (all integers big-endian)::
-
-    magic     4 bytes   b"CPG1"
-    hlen      u32       length of the header
-    mlen      u32       length of the manifest
-    header    hlen      UTF-8 JSON object {"v", "seq", "id", "kind", "digest", "body"}
-    manifest  mlen      UTF-8 JSON array [{"name", "dtype", "shape"}, ...]
-    mac       32 bytes  HMAC-SHA256(token, magic || hlen || mlen || header || manifest)
-
-* ``v`` protocol version; ``seq`` per-direction message counter that must go up by exactly one
-  (a gap or repeat means a lost, replayed or injected frame); ``id`` the op id the message is about;
-  ``kind`` one of the kinds allowed in that direction; ``body`` a kind-specific JSON object;
-  ``digest`` sha256 over the canonical JSON of (kind, id, body) and the manifest. The digest is what
-  ranks compare in the preflight gather before any data collective.
-* Tensor bytes never travel in a frame: the manifest names them (dtype, shape) and they go over the
-  data process group (``comm.py``), packed in manifest order at 64-byte aligned offsets.
-* The prefix is checked against the size limits before the body is read; a bad MAC, magic,
-  version, kind or schema, non-JSON text, NaN, too deep nesting, a duplicate name or an EOF inside
-  a frame raise ``ProtocolError``. JSON only: nothing here unpickles.
-
-This module imports no torch so that a worker can authenticate its channel before torch loads.
+The frame format is ``encode``'s docstring. JSON only: nothing here unpickles. This module imports
+no torch, so that a worker can authenticate its channel before torch loads.
 """
 
 import hashlib
@@ -77,10 +58,6 @@ class Message:
     body: dict
     manifest: list = field(default_factory=list)
     digest: str = ""
-
-    @property
-    def payload_bytes(self):
-        return payload_layout(self.manifest)[1]
 
 
 def canonical_json(obj):
@@ -139,7 +116,23 @@ def check_manifest(manifest, limits=DEFAULT_LIMITS):
 
 
 def encode(token, kind, seq, op_id, body, manifest=(), limits=DEFAULT_LIMITS):
-    """One authenticated frame. Raises ValueError for a body that is not JSON (NaN, objects...)."""
+    """One authenticated frame. Raises ValueError for a body that is not JSON (NaN, objects...).
+
+    Layout (integers big-endian)::
+
+        magic     4 bytes   b"CPG1"
+        hlen      u32       length of the header
+        mlen      u32       length of the manifest
+        header    hlen      UTF-8 JSON object {"v", "seq", "id", "kind", "digest", "body"}
+        manifest  mlen      UTF-8 JSON array [{"name", "dtype", "shape"}, ...]
+        mac       32 bytes  HMAC-SHA256(token, magic || hlen || mlen || header || manifest)
+
+    ``v`` protocol version; ``seq`` per-direction counter that goes up by exactly one (a gap or repeat
+    is a lost, replayed or injected frame); ``id`` the op the message is about; ``kind`` one of the
+    kinds allowed in that direction; ``digest`` sha256 of the canonical JSON of (kind, id, body) and
+    the manifest, which the ranks compare in the preflight gather. Tensor bytes never travel in a
+    frame: the manifest names them and they go over the data group, packed by ``payload_layout``.
+    """
     manifest = list(manifest)
     check_manifest(manifest, limits)
     digest = request_digest(kind, op_id, body, manifest)
@@ -155,8 +148,10 @@ def encode(token, kind, seq, op_id, body, manifest=(), limits=DEFAULT_LIMITS):
 class FrameReader:
     """Incremental, authenticated decoder for one direction of one channel.
 
-    ``feed(bytes) -> [Message]``; ``close()`` at EOF raises if a frame was cut short. Every check runs
-    before the frame is acted on; any failure raises ``ProtocolError`` and the channel is dead.
+    ``feed(bytes) -> [Message]``; ``close()`` at EOF raises if a frame was cut short. The prefix is
+    checked against ``limits`` before the rest is read; a bad MAC, magic, version, kind or schema,
+    non-JSON text, NaN, too deep nesting, a duplicate name or an EOF inside a frame raise
+    ``ProtocolError``, and the channel is dead.
     """
 
     def __init__(self, token, kinds, limits=DEFAULT_LIMITS):

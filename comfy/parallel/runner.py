@@ -1,25 +1,6 @@
 """Running one op on every rank, from rank 0: ``OpRunner.run`` and ``OpRunner.cancel``.
 
-Sequence of one op (ranks 1..N-1 do the mirror image in ``worker.py``)::
-
-    rank 0: "run" frame to every worker (op id, op name, meta, manifest; HMAC-signed)
-    all:    preflight gather over the gloo control group: (op id, request digest, status, cancel flag)
-            -> any disagreement raises PreflightMismatch on every rank, before any data collective
-    all:    one broadcast of rank 0's tensors over the data group (skipped when empty)
-    all:    fn(ctx, tensors, meta) -> (tensors, meta)
-    workers: "result" frame (status, meta); rank 0 returns OpResult(its tensors, every rank's meta)
-
-Cancellation rule: ranks leave an op only at agreement points, where every rank takes the same
-decision from the same collective: the preflight gather (before any data moves) and
-``ctx.cancelled()`` / ``ctx.check_cancelled()`` (an all_reduce of the local cancel flags). So all
-ranks abandon the op at the same boundary and no data collective is left half-entered. An op that
-never checks finishes normally; one that does not reach a check within ``Timeouts.cancel`` has its
-late workers killed. After ``cancel()``, the op's ``run()`` always raises ``ParallelCancelled``;
-``group_broken`` says whether the group survived.
-
-Any other exception on any rank breaks the group: after a one-sided failure the ranks may disagree
-on which collectives were issued (NCCL enqueues asynchronously), and only a restart is safe. Ops
-validate their inputs through ``ctx.preflight`` (which fails on every rank alike) to stay clear.
+Workers do the mirror image in ``worker.py``. Group state goes through ``state.GroupCore``.
 """
 
 import logging
@@ -28,14 +9,17 @@ import traceback
 
 import torch
 
-from . import comm, ops
+from . import collectives, registry
 from .errors import ParallelCancelled, ParallelGroupError, ParallelOpError, PreflightMismatch, RESTART_HINT
-from .protocol import canonical_json, check_manifest, request_digest
+from .protocol import DEFAULT_LIMITS, canonical_json, check_manifest, request_digest
+from .state import GroupState
 
 logger = logging.getLogger(__name__)
 
 
-class _Inflight:
+class Inflight:
+    """The op in flight, as rank 0 tracks it (``GroupCore.op``); the monitor fills ``replies``."""
+
     def __init__(self, op_id, name, timeout):
         self.id = op_id
         self.name = name
@@ -48,8 +32,25 @@ class _Inflight:
 
 
 class OpRunner:
-    def __init__(self, group, ctx):
-        self._g = group
+    """Rank 0's side of an op. One op, in order::
+
+        rank 0:  "run" frame to every worker (op id, name, meta, tensor manifest; signed)
+        all:     preflight gather over the gloo control group (op id, request digest, status, cancel
+                 flag): any disagreement raises PreflightMismatch on every rank, before any data moves
+        all:     one broadcast of rank 0's tensors over the data group; fn(ctx, tensors, meta)
+        workers: "result" frame (status, meta); rank 0 returns OpResult(its tensors, every rank's meta)
+
+    Cancellation: ranks leave an op only where all of them take the same decision from the same
+    collective (the preflight gather, ``ctx.cancelled()``), so no data collective is left half
+    entered. An op that never checks finishes; one that does not reach a check within
+    ``Timeouts.cancel`` has its late workers killed. After ``cancel()`` the op's ``run()`` always
+    raises ``ParallelCancelled``; ``group_broken`` says whether the group survived. Any other
+    exception on any rank breaks the group: the ranks may disagree on which collectives were issued.
+    """
+
+    def __init__(self, core, monitor, ctx):
+        self._core = core
+        self._monitor = monitor
         self.ctx = ctx
         self._op_id = 0
 
@@ -60,84 +61,69 @@ class OpRunner:
         / ``ParallelTimeout`` / ``ParallelOpError`` (group broken), or, before anything is sent,
         ``UnknownOpError`` / ``TypeError`` / ``ValueError`` for bad arguments.
         """
-        g = self._g
-        fn = ops.get_op(op_name)
+        core = self._core
+        fn = registry.get_op(op_name)
         if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
             raise TypeError("tensors must be a dict of str -> torch.Tensor")
         if not isinstance(meta, dict):
             raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        manifest = comm.manifest_for(tensors)
+        manifest = collectives.manifest_for(tensors)
         body = {"op": op_name, "meta": meta}
         size = len(_json(body, "meta"))
-        if size > g.limits.max_header_bytes - 1024:
-            raise ValueError(f"meta is {size} bytes as JSON; the control-message limit is {g.limits.max_header_bytes} "
-                             "(send bulk data as tensors)")
-        check_manifest(manifest, g.limits)
-        with g._send_lock:
-            with g._cond:
-                if g._state != "ready":
-                    raise g._not_ready("run()")
-                self._op_id += 1
-                op = _Inflight(self._op_id, op_name, timeout)
-                g._monitor.op = op
-                g._state = "running"
-                g._idle.clear()
-            for w in g._workers:
+        limit = DEFAULT_LIMITS.max_header_bytes
+        if size > limit - 1024:
+            raise ValueError(f"meta is {size} bytes as JSON; the control-message limit is {limit} (send bulk data as tensors)")
+        check_manifest(manifest)
+        with core.send_lock:
+            op = Inflight(self._op_id + 1, op_name, timeout)
+            core.begin_op(op)
+            self._op_id = op.id
+            for w in core.workers:
                 try:
                     w.send("run", op.id, body, manifest, timeout=min(5.0, timeout))
                 except (OSError, TimeoutError) as e:
-                    err = g._attribute(e, lambda e=e, w=w: ParallelGroupError(
+                    err = core.attribute(e, lambda e=e, w=w: ParallelGroupError(
                         f"could not send op {op.name!r} (id {op.id}) to worker rank {w.rank}: {e}", rank=w.rank,
                         log_tail=w.log_tail(), log_path=w.log_path))
-                    self._finish(op)
+                    core.end_op(op)
                     raise err from e
         try:
             return self._run(op, fn, tensors, meta, manifest, request_digest("run", op.id, body, manifest))
         finally:
-            self._finish(op)
+            core.end_op(op)
 
     def cancel(self):
-        g = self._g
-        with g._cond:
-            op = g._monitor.op if g._monitor is not None else None
-            if g._state != "running" or op is None or op.finished:
+        """Ask the op in flight to stop; returns at once (True if an op was in flight). Thread-safe."""
+        core = self._core
+        with core.cond:
+            op = core.op
+            if core.state != GroupState.RUNNING or op is None or op.finished:
                 return False
             if op.cancel_at is None:
                 op.cancel_at = time.monotonic()
-            g._cond.notify_all()
-        with g._send_lock:
+            core.cond.notify_all()
+        with core.send_lock:
             if not op.finished:
-                for w in g._workers:
+                for w in core.workers:
                     try:
                         w.send("cancel", op.id, {}, timeout=1.0)
                     except (OSError, TimeoutError):
                         pass  # a worker that cannot take it is reported by the monitor or the cancel deadline
-        logger.info("parallel group %r: cancel requested for op %r (id %d)", g.name, op.name, op.id)
+        logger.info("parallel group %r: cancel requested for op %r (id %d)", core.name, op.name, op.id)
         return True
 
-    def _finish(self, op):
-        g = self._g
-        with g._cond:
-            op.finished = True
-            if g._monitor is not None and g._monitor.op is op:
-                g._monitor.op = None
-            if g._state == "running":
-                g._state = "ready"
-            g._cond.notify_all()
-        g._idle.set()
-
     def _run(self, op, fn, tensors, meta, manifest, digest):
-        g, ctx = self._g, self.ctx
+        core, ctx = self._core, self.ctx
         ctx.op_id, ctx.op_name = op.id, op.name
         ctx._cancel_requested = lambda: op.cancel_at is not None
         outcome, local_exc, out = "ok", None, None
         try:
-            if comm.op_preflight(op.id, op.name, digest, comm.STATUS_OK, op.cancel_at is not None,
-                                 ctx.control_group, ctx.world_size):
+            if collectives.op_preflight(op.id, op.name, digest, collectives.STATUS_OK, op.cancel_at is not None,
+                                        ctx.control_group, ctx.world_size):
                 raise ParallelCancelled(f"op {op.name!r} (id {op.id}) was cancelled before it started")
-            placed = comm.broadcast_inputs(manifest, tensors, ctx.device, ctx.data_group)
+            placed = collectives.broadcast_inputs(manifest, tensors, ctx.device, ctx.data_group)
             out = fn(ctx, placed, meta)
         except ParallelCancelled as e:
             outcome, local_exc = "cancelled", e
@@ -150,15 +136,15 @@ class OpRunner:
             raise err from (err.__cause__ or e)
         finally:
             ctx.op_id = ctx.op_name = ctx._cancel_requested = None
-        missing = lambda: [w.rank for w in g._workers if w.rank not in op.replies]
-        deadline = lambda: op.cancel_at + g.timeouts.cancel if op.cancel_at is not None else op.deadline
+        missing = lambda: [w.rank for w in core.workers if w.rank not in op.replies]
+        deadline = lambda: op.cancel_at + core.timeouts.cancel if op.cancel_at is not None else op.deadline
         try:
-            g._monitor.wait_until(lambda: not missing(), deadline, missing, f"op {op.name!r} (id {op.id})")
+            self._monitor.wait_until(lambda: not missing(), deadline, missing, f"op {op.name!r} (id {op.id})")
         except ParallelGroupError as e:
             raise self._as_cancel(op, e) from e
         statuses = {r: m.body["status"] for r, m in sorted(op.replies.items())}
         if any(s != outcome for s in statuses.values()):
-            err = g._record_fault(ParallelGroupError(
+            err = core.fault(ParallelGroupError(
                 f"ranks left op {op.name!r} (id {op.id}) differently (rank 0: {outcome}, workers: {statuses}); an op must "
                 "only stop at agreement points (ctx.cancelled(), ctx.preflight())", rank=0))
             raise self._as_cancel(op, err)
@@ -166,16 +152,15 @@ class OpRunner:
             raise local_exc
         if outcome == "cancelled" or op.cancel_at is not None:
             raise ParallelCancelled(f"op {op.name!r} (id {op.id}) was cancelled; the group is ready for the next op")
-        out_tensors, out_meta = ops.check_op_output(op.name, out)
+        out_tensors, out_meta = registry.check_op_output(op.name, out)
         _json(out_meta, f"the meta returned by op {op.name!r} on rank 0")
         metas = [out_meta] + [op.replies[r].body.get("meta", {}) for r in sorted(op.replies)]
-        return ops.OpResult(out_tensors, metas, op.id, time.monotonic() - op.started)
+        return registry.OpResult(out_tensors, metas, op.id, time.monotonic() - op.started)
 
     def _fault_for(self, op, exc):
         """The error ``run()`` raises when rank 0 itself failed with ``exc`` inside op ``op``."""
-        g = self._g
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        err = g._attribute(exc, lambda: ParallelOpError(
+        err = self._core.attribute(exc, lambda: ParallelOpError(
             f"op {op.name!r} (id {op.id}) raised {type(exc).__name__} on rank 0: {exc}", rank=0, remote_traceback=tb,
             hint=f"fix the op or its inputs; the workers were stopped because collectives may be out of step, so {RESTART_HINT}"))
         if not isinstance(err, ParallelGroupError):

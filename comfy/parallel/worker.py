@@ -1,17 +1,6 @@
 """Worker process entry: ``python -m comfy.parallel.worker --rank R --cmd-fd FD --reply-fd FD --parent-pid P``.
 
-Spawned by ``ParallelGroup.start`` (never by hand). Start-up, in order:
-  1. read the group token (32 raw bytes) and an authenticated "hello" (rank, world size, device,
-     backend, store path, worker spec, timeouts) from the command pipe; reply "booted" (from here on
-     SIGUSR1 dumps the stacks: rank 0 sends it to a late worker only after this reply);
-  2. start the control reader thread: it turns "run"/"shutdown" into work for the main thread, a
-     "cancel" into the flag ``ctx.cancelled()`` reads, and EOF (rank 0 gone) into an immediate exit;
-  3. import the spec's modules (they register ops), open the store, reply "connected";
-  4. join the process groups (default = data group, plus a gloo control group), run the probe;
-  5. ``setup(ctx, **setup_args)`` once (e.g. build the model into ``ctx.state``), reply "ready".
-Then it idles on its queue -- a blocking wait outside any collective, so idling never trips a
-collective timeout -- and serves ops one at a time until "shutdown".
-
+Spawned by ``ParallelGroup.start`` (never by hand); ``Worker.serve`` lists what it does, in order.
 Exit codes are listed in ``errors.py``; everything this process says goes to its log (stderr).
 """
 
@@ -29,11 +18,10 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import fields
 
 from . import errors
 from .errors import ParallelCancelled, PreflightMismatch, ProtocolError, UnknownOpError
-from .protocol import KINDS_TO_WORKER, TOKEN_BYTES, FrameReader, Limits, canonical_json, encode, read_exact, write_all
+from .protocol import KINDS_TO_WORKER, TOKEN_BYTES, FrameReader, canonical_json, encode, read_exact, write_all
 
 logger = logging.getLogger("comfy.parallel.worker")
 
@@ -41,7 +29,7 @@ BOOT_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
 PARENT_POLL = 0.5
 _HELLO = {"rank": int, "world_size": int, "device": str, "backend": str, "store_path": str, "spec": dict,
-          "timeouts": dict, "limits": dict}
+          "timeouts": dict}
 
 
 def _leave(code):
@@ -70,8 +58,6 @@ class Worker:
         self.store_path = body["store_path"]
         self.spec = body["spec"]
         self.timeouts = body["timeouts"]
-        self.limits = Limits(**{f.name: body["limits"][f.name] for f in fields(Limits) if f.name in body["limits"]})
-        reader.limits = self.limits
         self._token = token
         self._reader = reader
         self._cmd_fd = cmd_fd
@@ -84,6 +70,17 @@ class Worker:
         self._store = None
 
     def serve(self):
+        """Start up, then serve ops one at a time until "shutdown". Start-up, in order:
+
+        1. (``main``) read the group token (32 raw bytes) and an authenticated "hello" (rank, world
+           size, device, backend, store path, worker spec, timeouts); reply "booted";
+        2. start the control reader thread: "run"/"shutdown" become work for this thread, "cancel" the
+           flag ``ctx.cancelled()`` reads, and EOF (rank 0 gone) an immediate exit;
+        3. import the spec's modules (they register ops), open the store, reply "connected";
+        4. join the process groups (data group, gloo control group), run the probe;
+        5. ``setup(ctx, **setup_args)`` once (e.g. build the model into ``ctx.state``), reply "ready".
+        Between ops it blocks on its queue, outside any collective, so idling never trips a timeout.
+        """
         # main() installed the SIGUSR1 stack dump; until rank 0 hears this it sends no SIGUSR1,
         # whose default action would kill a worker still starting Python
         self._send("booted", 0, {"pid": os.getpid()})
@@ -103,7 +100,7 @@ class Worker:
 
     def _send(self, kind, op_id, body):
         self._send_seq += 1
-        data = encode(self._token, kind, self._send_seq, op_id, body, (), self.limits)
+        data = encode(self._token, kind, self._send_seq, op_id, body)
         try:
             write_all(self._reply_fd, data, REPLY_TIMEOUT)
         except (OSError, TimeoutError) as e:
@@ -156,8 +153,8 @@ class Worker:
         import torch
         import torch.distributed as dist
 
-        from . import comm, pg
-        from .ops import OpContext
+        from . import collectives, process_groups
+        from .registry import OpContext
         _configure_comfyui(self.spec.get("comfyui"), self.device_name)
         for name in self.spec.get("imports") or []:
             logger.info("importing %s", name)
@@ -169,10 +166,10 @@ class Worker:
         device = torch.device(self.device_name)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self._store = pg.file_store(self.store_path, self.world_size, self.timeouts["startup"])
+        self._store = process_groups.file_store(self.store_path, self.world_size, self.timeouts["startup"])
         self._send("connected", 0, {"pid": os.getpid(), "torch": torch.__version__, "python": platform.python_version()})
-        control = pg.init_groups(self.backend, self._store, self.rank, self.world_size, device, self.timeouts)
-        comm.probe(self.rank, self.world_size, device, dist.group.WORLD, control)
+        control = process_groups.init_groups(self.backend, self._store, self.rank, self.world_size, device, self.timeouts)
+        collectives.probe(self.rank, self.world_size, device, dist.group.WORLD, control)
         ctx = OpContext(self.rank, self.world_size, device, dist.group.WORLD, control, state={})
         meta = None
         if setup is not None:
@@ -184,38 +181,33 @@ class Worker:
         return ctx
 
     def _loop(self, ctx):
-        idle = self.timeouts.get("idle")
         while True:
-            try:
-                msg = self._queue.get(timeout=idle)
-            except queue.Empty:
-                logger.error("no work for %ss (Timeouts.idle); exiting", idle)
-                _leave(errors.EXIT_IDLE)
+            msg = self._queue.get()
             if msg.kind == "shutdown":
                 logger.info("shutdown requested by rank 0")
-                from . import pg
-                pg.destroy_groups(abort=False)
+                from . import process_groups
+                process_groups.destroy_groups(abort=False)
                 _leave(errors.EXIT_OK)
             self._send("result", msg.id, self._serve_run(ctx, msg))
 
     def _serve_run(self, ctx, msg):
-        from . import comm, ops
+        from . import collectives, registry
         op_id, name = msg.id, msg.body["op"]
-        status, fn = comm.STATUS_OK, None
+        status, fn = collectives.STATUS_OK, None
         try:
-            fn = ops.get_op(name)
+            fn = registry.get_op(name)
         except UnknownOpError:
-            status = comm.STATUS_UNKNOWN_OP
-            logger.error("op %r is not registered here (registered: %s)", name, ops.registered_ops())
+            status = collectives.STATUS_UNKNOWN_OP
+            logger.error("op %r is not registered here (registered: %s)", name, registry.registered_ops())
         ctx.op_id, ctx.op_name = op_id, name
         ctx._cancel_requested = lambda: self.cancel_upto >= op_id
         try:
-            if comm.op_preflight(op_id, name, msg.digest, status, ctx._cancel_requested(), ctx.control_group, ctx.world_size):
+            if collectives.op_preflight(op_id, name, msg.digest, status, ctx._cancel_requested(), ctx.control_group, ctx.world_size):
                 raise ParallelCancelled(f"op {name!r} (id {op_id}) was cancelled before it started")
-            tensors = comm.broadcast_inputs(msg.manifest, None, ctx.device, ctx.data_group)
-            _, meta = ops.check_op_output(name, fn(ctx, tensors, msg.body["meta"]))
+            tensors = collectives.broadcast_inputs(msg.manifest, None, ctx.device, ctx.data_group)
+            _, meta = registry.check_op_output(name, fn(ctx, tensors, msg.body["meta"]))
             reply = {"status": "ok", "meta": meta}
-            encode(self._token, "result", 0, op_id, reply, (), self.limits)
+            encode(self._token, "result", 0, op_id, reply)
             return reply
         except ParallelCancelled:
             logger.info("op %r (id %d) cancelled", name, op_id)

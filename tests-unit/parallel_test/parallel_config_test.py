@@ -4,7 +4,7 @@ import pytest
 
 from comfy.parallel import ParallelGroup, Timeouts, UnknownOpError, WorkerSpecError, register_op, registered_ops, unregister_op
 from comfy.parallel.config import parse_devices, validate_worker_spec, worker_env
-from comfy.parallel.ops import get_op
+from comfy.parallel.registry import get_op
 
 
 def _op_a(ctx, tensors, meta):
@@ -116,11 +116,10 @@ def test_worker_env_pins_one_device_and_loopback(monkeypatch):
     assert worker_env("cpu", "cpu", {"EXTRA": "1"})["EXTRA"] == "1"
 
 
-@pytest.mark.parametrize("field, value", [("op", 0), ("startup", -1), ("cancel", float("nan")), ("close", "5"), ("idle", 0)])
+@pytest.mark.parametrize("field, value", [("op", 0), ("startup", -1), ("cancel", float("nan")), ("close", "5"), ("stopped", None)])
 def test_timeouts_must_be_positive(field, value):
     with pytest.raises(ValueError, match=f"Timeouts.{field} must be a positive number"):
         Timeouts(**{field: value})
-    assert Timeouts(idle=None).idle is None
 
 
 def test_nccl_data_group_uses_high_priority_streams(monkeypatch):
@@ -130,7 +129,7 @@ def test_nccl_data_group_uses_high_priority_streams(monkeypatch):
 
     import torch.distributed as dist
 
-    from comfy.parallel import pg
+    from comfy.parallel import process_groups
 
     class Options:  # stands in where this torch build has no NCCL
         is_high_priority_stream = False
@@ -140,7 +139,7 @@ def test_nccl_data_group_uses_high_priority_streams(monkeypatch):
     import datetime
 
     timeout = datetime.timedelta(seconds=42)
-    assert pg.data_group_options("gloo", timeout) is None
-    options = pg.data_group_options("nccl", timeout)
+    assert process_groups.data_group_options("gloo", timeout) is None
+    options = process_groups.data_group_options("nccl", timeout)
     assert isinstance(options, dist.ProcessGroupNCCL.Options) and options.is_high_priority_stream is True
     assert options._timeout == timeout  # the same as init_process_group's, or torch warns

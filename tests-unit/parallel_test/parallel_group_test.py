@@ -13,7 +13,7 @@ import pytest
 import torch
 from parallel_helpers import child_pids, listening_sockets, spec, wait_until
 
-from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelStateError, PreflightMismatch, pg, register_op, unregister_op
+from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelStateError, PreflightMismatch, process_groups, register_op, unregister_op
 
 
 def make_inputs():
@@ -167,7 +167,7 @@ def test_token_not_in_argv_or_env_and_sockets_on_loopback_only(tmp_path):
     g = ParallelGroup("loopback", log_dir=str(tmp_path))
     g.start(["cpu", "cpu", "cpu"], spec())
     try:
-        token = g._workers[0]._token
+        token = g._core.workers[0]._token
         assert len(token) == 32
         for pid in g.worker_pids().values():
             for what in ("cmdline", "environ"):
@@ -184,7 +184,7 @@ def test_rendezvous_opens_no_port_and_its_private_folder_goes_on_close(tmp_path,
     """The store is a file in a 0700 folder: while the ranks rendezvous, rank 0 listens on nothing
     (no port another local user could list, write junk into or flood with connections)."""
     seen = {}
-    init_groups = pg.init_groups
+    init_groups = process_groups.init_groups
 
     def spy(backend, store, rank, world_size, device, timeouts):
         # every worker has opened the store and replied "connected"; gloo has opened nothing yet
@@ -194,7 +194,7 @@ def test_rendezvous_opens_no_port_and_its_private_folder_goes_on_close(tmp_path,
             seen.update(mode=stat.S_IMODE(os.stat(folder).st_mode), owner=os.stat(folder).st_uid, files=os.listdir(folder))
         return init_groups(backend, store, rank, world_size, device, timeouts)
 
-    monkeypatch.setattr(pg, "init_groups", spy)
+    monkeypatch.setattr(process_groups, "init_groups", spy)
     before = set(listening_sockets([os.getpid()]))
     g = ParallelGroup("rendezvous", log_dir=str(tmp_path))
     g.start(["cpu", "cpu", "cpu"], spec())

@@ -1,11 +1,5 @@
 """The op registry and what an op sees: ``OpContext`` in, ``OpResult`` out.
 
-An op is ``fn(ctx, tensors, meta) -> (tensors, meta)`` and runs on EVERY rank, rank 0 included (in
-the calling process). ``tensors`` are rank 0's inputs, broadcast once and placed on ``ctx.device``;
-``meta`` is rank 0's JSON meta. Each rank returns output tensors (only rank 0's are handed back to
-the caller; an op gathers what rank 0 needs through ``ctx.data_group``) and a JSON-able meta (every
-rank's is handed back, in rank order).
-
 Model packages register ops at import time; a worker imports the modules named in
 ``worker_spec["imports"]``, so the same registration runs on every rank.
 """
@@ -22,6 +16,12 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 def register_op(name, fn=None, *, replace=False):
     """Register ``fn`` as op ``name``; without ``fn`` returns a decorator.
+
+    An op is ``fn(ctx, tensors, meta) -> (tensors, meta)`` and runs on EVERY rank, rank 0 included (in
+    the calling thread). ``tensors`` are rank 0's inputs, broadcast once and placed on ``ctx.device``;
+    ``meta`` is rank 0's JSON meta. Each rank returns output tensors (only rank 0's reach the caller;
+    an op gathers what rank 0 needs through ``ctx.data_group``) and a JSON-able meta (every rank's
+    reaches the caller, in rank order).
 
     Registering the same function again (e.g. a module imported twice) is a no-op; a different
     function under a taken name raises unless ``replace=True``.
@@ -105,7 +105,7 @@ class OpContext:
         A gather over the gloo control group of fixed-width records (sha256 of the digest plus its
         first 32 bytes for the message); raises ``PreflightMismatch`` on every rank if any differ.
         """
-        from .comm import gather_records
+        from .collectives import gather_records
         self._require_op("preflight")
         raw = str(digest).encode("utf-8")
         record = hashlib.sha256(raw).digest() + raw[:32].ljust(32, b"\0")
@@ -124,7 +124,7 @@ class OpContext:
         Ranks must call it at the same points so that all of them leave the op at the same boundary
         and no data collective is left half-entered.
         """
-        from .comm import agree_any
+        from .collectives import agree_any
         self._require_op("cancelled")
         return agree_any(bool(self._cancel_requested()), self.control_group)
 

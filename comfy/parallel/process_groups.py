@@ -1,12 +1,7 @@
-"""torch.distributed plumbing shared by rank 0 and the workers: store, groups, teardown, ownership.
+"""torch.distributed set-up shared by rank 0 and the workers: store, groups, teardown, ownership.
 
-* The rendezvous store is a file in a private (0700) folder: no port another local user could
-  list, write junk into or flood with connections; the workers get its path over their pipe.
-* The default process group is the data group (NCCL for CUDA, on high-priority streams; gloo for
-  CPU); a second gloo group carries the small control collectives (preflight, cancel agreement) so
-  that they never queue behind NCCL kernels.
-* torch.distributed's default group is process-global, so at most one ``ParallelGroup`` per process
-  may hold it (``claim`` / ``release``).
+torch.distributed's default group is process-global, so at most one ``ParallelGroup`` per process
+may hold it (``claim`` / ``release``).
 """
 
 import datetime
@@ -48,7 +43,11 @@ def release(group):
 
 
 def file_store(path, world_size, timeout):
-    """The rendezvous store: a FileStore at ``path``, which the last of ``world_size`` users removes."""
+    """The rendezvous store: a FileStore at ``path``, which the last of ``world_size`` users removes.
+
+    Rank 0 puts it in a private (0700) folder: unlike a TCPStore there is no port another local user
+    could list, write junk into or flood with connections. The workers get its path over their pipe.
+    """
     store = dist.FileStore(path, world_size)
     store.set_timeout(datetime.timedelta(seconds=timeout))
     return store
@@ -57,7 +56,8 @@ def file_store(path, world_size, timeout):
 def init_groups(backend, store, rank, world_size, device, timeouts):
     """Join the default (data) group and create the gloo control group; returns the control group.
 
-    The rendezvous is bounded by ``timeouts.rendezvous``; afterwards every collective of both
+    The data group is NCCL for CUDA, gloo for CPU; the control group carries the small agreements
+    (preflight, cancel) so that they never queue behind NCCL kernels. The rendezvous is bounded by ``timeouts.rendezvous``; afterwards every collective of both
     groups by ``timeouts.collective`` (a backstop: ParallelGroup's own deadlines come first).
     """
     rendezvous = datetime.timedelta(seconds=timeouts["rendezvous"])
@@ -93,7 +93,7 @@ def data_group_options(backend, timeout):
 
     Sequence-parallel attention issues each all-to-all and then, on the compute stream, the next
     chunk's kernels; at normal priority those kernels' waiting blocks take the SMs first and the
-    transfer starts only as they drain (bench/results/h3_h200_chunk_prep_15k.json).
+    transfer starts only as they drain.
     """
     if backend != "nccl":
         return None

@@ -1,9 +1,8 @@
 """One worker process as rank 0 sees it: the process, its two control pipes and its log.
 
-A ``WorkerProcess`` is owned by exactly one ``ParallelGroup``; only that group signals or reaps it.
-Each worker runs in its own session (``start_new_session``) so that a terminal's Ctrl-C reaches
-rank 0 alone, which then decides; signals go to the worker's whole process group so that anything
-an op started goes with it.
+A ``WorkerProcess`` is owned by one ``ParallelGroup``, the only one to signal or reap it. Each worker
+runs in its own session, so a terminal's Ctrl-C reaches rank 0 alone; signals go to the worker's
+whole process group, so anything an op started goes with it.
 """
 
 import logging
@@ -12,7 +11,7 @@ import signal
 import subprocess
 import sys
 
-from .protocol import DEFAULT_LIMITS, KINDS_FROM_WORKER, FrameReader, encode, write_all
+from .protocol import KINDS_FROM_WORKER, FrameReader, encode, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ def log_tail(path, max_bytes=LOG_TAIL_BYTES, max_lines=LOG_TAIL_LINES):
 class WorkerProcess:
     """Spawned by ``spawn``; ``send`` frames to it, ``read_available`` its replies, ``kill`` and ``reap`` it."""
 
-    def __init__(self, rank, device, proc, cmd_fd, reply_fd, log_path, token, limits):
+    def __init__(self, rank, device, proc, cmd_fd, reply_fd, log_path, token):
         self.rank = rank
         self.device = device
         self.proc = proc
@@ -46,8 +45,7 @@ class WorkerProcess:
         self.reply_fd = reply_fd
         self.log_path = log_path
         self._token = token
-        self._limits = limits
-        self._reader = FrameReader(token, KINDS_FROM_WORKER, limits)
+        self._reader = FrameReader(token, KINDS_FROM_WORKER)
         self._send_seq = 0
         self.eof = False
         self.exit_handled = False
@@ -55,7 +53,7 @@ class WorkerProcess:
         self.stopped_since = None
 
     @classmethod
-    def spawn(cls, rank, device, log_path, env, token, limits=DEFAULT_LIMITS):
+    def spawn(cls, rank, device, log_path, env, token):
         """Start ``python -m comfy.parallel.worker`` with its two pipes; its output goes to ``log_path``.
 
         The log file is opened exclusively: an existing log is never overwritten.
@@ -79,7 +77,7 @@ class WorkerProcess:
         os.set_blocking(cmd_w, False)
         os.set_blocking(reply_r, False)
         logger.debug("spawned worker rank %d (pid %d) on %s, log %s", rank, proc.pid, device, log_path)
-        return cls(rank, device, proc, cmd_w, reply_r, log_path, token, limits)
+        return cls(rank, device, proc, cmd_w, reply_r, log_path, token)
 
     @property
     def pid(self):
@@ -93,11 +91,7 @@ class WorkerProcess:
         if self.cmd_fd is None:
             raise BrokenPipeError(f"the control channel to worker rank {self.rank} is closed")
         self._send_seq += 1
-        write_all(self.cmd_fd, encode(self._token, kind, self._send_seq, op_id, body, manifest, self._limits), timeout)
-
-    def send_raw(self, data, timeout=5.0):
-        """Write bytes as they are (tests use it to check that the worker rejects forged frames)."""
-        write_all(self.cmd_fd, data, timeout)
+        write_all(self.cmd_fd, encode(self._token, kind, self._send_seq, op_id, body, manifest), timeout)
 
     def read_available(self):
         """Replies readable now, in order; sets ``eof`` when the worker closed its end. Raises ProtocolError."""
