@@ -16,7 +16,7 @@ from compat_reexport_test import _reexport
 from upstream_newer_test import _assert_matches, _pdd_head
 
 pytestmark = pytest.mark.comfyui
-PDD = ["pdd_first", "pdd_mid", "pdd_last"]
+PDD = ["pdd_first", "pdd_mid", "pdd_last", "pdd_mask"]  # pdd_mask: a bank under video and audio denoise masks
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_native_matches_newer_upstream(comfyui_dir, reference, name):
 def test_sharded_matches_newer_upstream(comfyui_dir, reference, run_ranks, world):
     # the workers get sample_sigmas only through the step inputs; the runner checks every rank's plan digest
     tensors, _ = reference
-    names = ["pdd_first", "pdd_mid"]
+    names = ["pdd_first", "pdd_mid", "pdd_mask"]
     results = run_ranks(rank_steps.run_cases, world, kwargs={"names": names}, timeout=300)
     for name in names:
         _assert_matches(results[0][f"{name}.video"], tensors[f"{name}.video"], name)
