@@ -34,7 +34,7 @@ def main(argv=None):
     ap.add_argument("--target", required=True, help="module:function")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--init", default="", help="tcp://127.0.0.1:PORT, empty for no process group")
+    ap.add_argument("--init", default="", help="file:///path/to/store, empty for no process group")
     ap.add_argument("--out", required=True)
     ap.add_argument("--kwargs", default="{}")
     ap.add_argument("--timeout", type=float, default=60.0)
@@ -146,8 +146,8 @@ def _kill(procs):
 def run_ranks(fn, world, kwargs=None, timeout=60.0, process_group=True, grace=5.0, workdir=None):
     """Run ``fn(rank, world, **kwargs)`` in ``world`` spawned processes and return each rank's result.
 
-    ``fn`` must be a module-level function. With ``process_group`` each rank joins a gloo group on a
-    free loopback port first. A rank that raises makes this raise ``RankFailure`` with its traceback
+    ``fn`` must be a module-level function. With ``process_group`` each rank first joins a gloo group
+    that meets in a store file in the results folder (no port to pick or to race for). A rank that raises makes this raise ``RankFailure`` with its traceback
     (the other ranks get ``grace`` seconds, then are killed); ranks still running after ``timeout``
     seconds are killed and ``RankTimeout`` names them. No child outlives this call.
     """
@@ -159,7 +159,7 @@ def run_ranks(fn, world, kwargs=None, timeout=60.0, process_group=True, grace=5.
     target = f"{fn.__module__}:{fn.__name__}"
     own = workdir is None
     out = tempfile.mkdtemp(prefix="ranks-") if own else workdir
-    init = f"tcp://127.0.0.1:{free_port()}" if process_group else ""
+    init = f"file://{os.path.join(out, 'store')}" if process_group else ""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
