@@ -192,3 +192,27 @@ def test_vsa_checkpoint_loads_its_gates_through_comfyuis_loader(comfyui_patched,
                     plain(x, timestep, context, {}, minimax_payload=dict(payload))):
         assert torch.equal(a, b)
     assert all(b.attn.to_gate_compress is None for b in plain.blocks)
+
+
+def test_vsa_checkpoint_runs_sharded_on_workers_that_loaded_it(comfyui_patched, tmp_path):
+    # every worker loads the file with rank 0's loader call: the forward's preflight compares plan digests,
+    # which name the gated model (a worker that dropped the gates would refuse the step)
+    import comfy.sd
+    from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel
+    from comfy.parallel import Timeouts, headless
+    path = write_h3_file(str(tmp_path / "h3_vsa.safetensors"), dict(TINY_CONFIG, gate_compress=True), seed=6)
+    base = comfy.sd.load_diffusion_model(path)
+    model = base.model.diffusion_model
+    sp = SequenceParallel(["cpu"] * 2, headless.loader_call(base), headless.execution_settings(),
+                          timeouts=Timeouts(startup=120, op=60, cancel=10))
+    try:
+        sp.ensure_started(base)
+        sp.prepare(base)
+        x, timestep, context, payload, _, _ = un.case_inputs("keyframes_tags")
+        sharded = model(x, timestep, context, {SEQUENCE_PARALLEL_OPTION: sp}, minimax_payload=dict(payload))
+        native = model(x, timestep, context, {}, minimax_payload=dict(payload))
+    finally:
+        sp.close()
+    assert model.config["gate_compress"] and sp.steps_run == 1
+    for s, n in zip(sharded, native):
+        assert (s - n).abs().max() <= 1e-5 * n.abs().max()
