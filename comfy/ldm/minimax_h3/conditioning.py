@@ -123,14 +123,35 @@ def text_tag_runs(tags, length):
     return runs
 
 
-def mod_segments(layout, timesteps, text_tags=None):
+# minimax_payload key holding the text's tag runs: the payload (a CONDConstant) lives for a whole sampling
+# run and reaches sequence-parallel ranks as JSON, so the tags are read back from their device only once
+TAG_RUNS_KEY = "text_token_tag_runs"
+
+
+def payload_tag_runs(payload, length):
+    """text_tag_runs of payload["text_token_tags"] over `length` text tokens, cached in the payload; None without tags."""
+    tags = payload.get("text_token_tags")
+    if tags is None:
+        return None
+    key = [int(length), int(tags.numel())]
+    cached = payload.get(TAG_RUNS_KEY)
+    if not isinstance(cached, dict) or cached.get("for") != key:
+        cached = {"for": key, "runs": [list(r) for r in text_tag_runs(tags, length)]}
+        payload[TAG_RUNS_KEY] = cached
+    return [tuple(r) for r in cached["runs"]]
+
+
+def mod_segments(layout, timesteps, text_tags=None, tag_runs=None):
     """[(start, stop, mod_row)] covering the whole sequence contiguously; mod_row is an int, or a
-    [stop - start] LongTensor on a target segment a denoise mask varies."""
+    [stop - start] LongTensor on a target segment a denoise mask varies. The text span is split by
+    `tag_runs` (text_tag_runs' result) or the runs of `text_tags`."""
     out = []
     for a, b, kind in layout.segments:
-        if kind == "text" and text_tags is not None:
+        if kind == "text" and tag_runs is None and text_tags is not None:
+            tag_runs = text_tag_runs(text_tags, b - a)
+        if kind == "text" and tag_runs is not None:
             base = timesteps.mod_row(kind, tag=0)
-            out.extend((a + s, a + e, base + tag) for s, e, tag in text_tag_runs(text_tags, b - a))
+            out.extend((a + s, a + e, base + tag) for s, e, tag in tag_runs)
         else:
             out.append((a, b, timesteps.segment_mod_row(kind)))
     return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .conditioning import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, TimestepPlan, mod_segments
+from .conditioning import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, TimestepPlan, mod_segments, payload_tag_runs
 from .layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout
 from .modulation import clip_segments
 
@@ -66,7 +66,7 @@ class ForwardPlan:
         aa, ab = layout.segment("audio")
         return cls(layout=layout, latent_thw=(lt, lh, lw), orig_thw=tuple(orig_thw), audio_t=audio_t, text_len=text_len,
                    refine_text=context_shape[-1] != hidden_size, sigma=float(sigma), timesteps=ts,
-                   mod_segments=tuple(mod_segments(layout, ts, payload.get("text_token_tags"))),
+                   mod_segments=tuple(mod_segments(layout, ts, tag_runs=payload_tag_runs(payload, text_len))),
                    video_seg=(va, vb, ts.target_rows("video")), audio_seg=(aa, ab, ts.target_rows("audio")),
                    vis_aug=vis_aug, aud_aug=aud_aug, seed=int(payload.get("seed", 0)), model_key=model_key)
 
