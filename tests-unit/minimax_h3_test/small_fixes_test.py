@@ -78,3 +78,61 @@ def test_sequence_parallel_ranks_take_the_runs_from_the_payload(comfyui_dir):
     short = StepInputs(x[0], x[1], timestep, context[:, :6], payload, options)
     assert [(a, b) for a, b, _ in model.plan(short).mod_segments if b <= 6] == [(0, 1), (1, 3), (3, 6)]
     assert CountingTags.reads == 1
+
+
+# -- 6b: condition latents of an odd size ------------------------------------------------------------
+
+def _wrap_pad(z):
+    """z [1, C, T, H, W] padded by hand to even H and W the way pad_to_patch_size pads the target
+    latent (circular: the first row / column repeats after the last)."""
+    if z.shape[3] % 2:
+        z = torch.cat([z, z[..., :1, :]], dim=3)
+    if z.shape[4] % 2:
+        z = torch.cat([z, z[..., :1]], dim=4)
+    return z
+
+
+def test_odd_reference_sizes_take_the_padded_grid(comfyui_dir):
+    from comfy.ldm.minimax_h3.layout import PackedLayout
+
+    def ref_rows(h, w, **kw):
+        lay = PackedLayout(3, 1, 4, 6, 2, refs=[{"kind": "image", "latent_h": h, "latent_w": w}], **kw)
+        a, b = next((a, b) for a, b, k in lay.segments if k == "ref_img")
+        return lay.position_ids[a:b]
+    # by hand: 5 x 7 latents pad to 6 x 8, three by four 2x2 patches; 31 x 33 pad to 32 x 34, 16 by 17
+    assert ref_rows(5, 7).shape[0] == 12 and ref_rows(31, 33).shape[0] == 16 * 17
+    assert torch.equal(ref_rows(5, 7), ref_rows(6, 8))
+    video = PackedLayout(3, 1, 4, 6, 2, refs=[{"kind": "video_audio", "latent_t": 2, "latent_h": 3, "latent_w": 5, "ref_audio_t": 2}])
+    same = PackedLayout(3, 1, 4, 6, 2, refs=[{"kind": "video_audio", "latent_t": 2, "latent_h": 4, "latent_w": 6, "ref_audio_t": 2}])
+    assert torch.equal(video.position_ids, same.position_ids)  # the block's audio rows take the padded grid's w too
+
+
+def _odd_inputs(pre_padded):
+    """A 5 x 7 target with odd keyframes and an odd reference image, or the same latents padded by hand."""
+    x, timestep, context, payload, _, options = un.case_inputs("odd_hw")
+    g = torch.Generator().manual_seed(5)
+    keyframe, ref = torch.randn(1, 24, 1, 5, 7, generator=g), torch.randn(1, 24, 1, 3, 5, generator=g)
+    if pre_padded:
+        keyframe, ref = _wrap_pad(keyframe), _wrap_pad(ref)
+    payload.update(keyframes=[{"resolved_frame_index": 0, "latent": keyframe}], cond_video_latents=[keyframe, ref],
+                   refs=[{"kind": "image", "latent_h": ref.shape[3], "latent_w": ref.shape[4], "latent": ref}],
+                   visual_cond_noise_aug=0.9)
+    return x, timestep, context, payload, options
+
+
+def test_odd_condition_latents_run_as_their_padded_latents(comfyui_dir):
+    model, _ = un.build_model(rank_steps.OURS, {})
+    x, timestep, context, payload, options = _odd_inputs(False)
+    got = model(x, timestep, context, dict(options), minimax_payload=payload)
+    x, timestep, context, padded, options = _odd_inputs(True)
+    want = model(x, timestep, context, dict(options), minimax_payload=padded)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    x0, t0, c0, unconditioned, _, _ = un.case_inputs("odd_hw")
+    assert not torch.allclose(got[0], model(x0, t0, c0, {}, minimax_payload=unconditioned)[0], atol=1e-3)  # the conditions count
+    # the pinned base patchifies them unpadded and fails inside the forward (issue #15768)
+    from upstream_newer_test import _base_upstream
+    upstream = _base_upstream()
+    theirs, _ = un.build_model(upstream, {})
+    with pytest.raises(RuntimeError, match="is invalid for input of size"):
+        theirs(x, timestep, context, dict(options), minimax_payload=_odd_inputs(False)[3])

@@ -33,6 +33,11 @@ def frame_grid(h, w):
     return torch.stack([hh.reshape(-1), ww.reshape(-1)], dim=-1), w_axis
 
 
+def padded_grid(n):
+    """A latent dim as the model pads it for the 2x2 patch (pad_to_patch_size); frame_grid's sizes."""
+    return n + n % 2
+
+
 def video_t_spans(n):
     """Time-axis span of each of n latent frames (the first latent frame holds one pixel frame)."""
     return [FRAME_RESCALE * FRAME_PER_TOKEN[k % 5] for k in range(n)]
@@ -119,7 +124,7 @@ class PackedLayout:
         for blk in refs:
             kind = blk["kind"]
             if kind == "image":
-                r_frame, _ = frame_grid(blk["latent_h"], blk["latent_w"])
+                r_frame, _ = frame_grid(padded_grid(blk["latent_h"]), padded_grid(blk["latent_w"]))
                 g = torch.empty(r_frame.shape[0], 3, dtype=torch.float64)
                 g[:, 0] = cursor
                 g[:, 1:] = r_frame
@@ -129,7 +134,7 @@ class PackedLayout:
                     self._add("ref_audio", audio_positions(cursor, blk["ref_audio_t"], *target_audio_w))
             else:
                 # the block's audio rows pack immediately before its video rows, both at the cursor
-                r_frame, r_w_axis = frame_grid(blk["latent_h"], blk["latent_w"])
+                r_frame, r_w_axis = frame_grid(padded_grid(blk["latent_h"]), padded_grid(blk["latent_w"]))
                 if blk["ref_audio_t"] > 0:
                     self._add("ref_audio", audio_positions(cursor, blk["ref_audio_t"], float(r_w_axis[0]), float(r_w_axis[-1])))
                 self._add("ref_img", video_positions(blk["latent_t"], r_frame, cursor))

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 
 import torch
 import torch.nn as nn
@@ -138,7 +139,9 @@ class MiniMaxH3Model(nn.Module):
                               float(payload.get("audio_cond_noise_aug", AUDIO_COND_TIMESTEP)), int(payload.get("seed", 0)) + 1, device)
 
     def _patchify(self, latent):
-        return patchify_video(latent, self.patch_size)
+        # condition latents of an odd size (an i2v keyframe of width 496 is 31 latents wide) are padded
+        # as the target latent is, so their rows are the padded grid's the layout places
+        return patchify_video(comfy.ldm.common_dit.pad_to_patch_size(latent, self.patch_size), self.patch_size)
 
     # -- forward -------------------------------------------------------------------------------------
 
@@ -244,12 +247,8 @@ class MiniMaxH3Model(nn.Module):
                     raise ValueError(f"MiniMax H3 minimax_payload['{key}'][{i}] must be a {ndim}-d latent with {channels} "
                                      f"channels; got {shape}: pass the {what} VAE's latent of the keyframe or reference")
             if what == "video":
-                pt, ph, pw = self.patch_size
-                bad = [i for i, z in enumerate(latents) if z.shape[2] % pt or z.shape[3] % ph or z.shape[4] % pw]
-                if bad:
-                    raise ValueError(f"MiniMax H3 minimax_payload['{key}'] latents {bad} have a size that is not a multiple of "
-                                     f"the patch {self.patch_size} (T, H, W): pad them as the target latent is padded")
-                found = sum(z.shape[0] * z.shape[2] // pt * (z.shape[3] // ph) * (z.shape[4] // pw) for z in latents)
+                # _patchify's rows: each latent padded to the patch size
+                found = sum(z.shape[0] * math.prod(-(-n // p) for n, p in zip(z.shape[2:], self.patch_size)) for z in latents)
             else:
                 found = sum(z.shape[2] * z.shape[3] for z in latents)  # pack_audio's rows
             check_condition_rows(getattr(plan.layout, f"{what}_cond_rows"), found, what)
