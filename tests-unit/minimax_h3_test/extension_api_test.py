@@ -9,8 +9,6 @@ import sys
 import pytest
 
 import comfy.ldm.minimax_h3 as h3
-from comfy.ldm.minimax_h3 import SequenceParallelRunner
-from h3_cases import plan_for, tiny_model
 
 # where each versioned name is defined (the package must hand out that very object)
 HOMES = {
@@ -36,14 +34,3 @@ def test_importing_the_package_imports_no_model_code():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
-
-
-def test_the_ulysses_runner_satisfies_the_protocol_and_incomplete_runners_do_not():
-    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
-    model, cfg = tiny_model()
-    plan = plan_for(model, cfg).plan
-    assert isinstance(UlyssesAttention(plan.shard(2, 0, 4), 4, 16), SequenceParallelRunner)
-
-    class NoAttention:
-        world_size = 2
-    assert not isinstance(NoAttention(), SequenceParallelRunner)

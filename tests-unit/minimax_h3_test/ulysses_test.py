@@ -7,7 +7,8 @@ row; differences come only from GEMM blocking on different row counts). bf16 is 
 import pytest
 import torch
 
-from comfy.ldm.minimax_h3.ulysses import sharded_forward
+from comfy.ldm.minimax_h3 import SequenceParallelRunner
+from comfy.ldm.minimax_h3.ulysses import UlyssesAttention, sharded_forward
 from h3_cases import plan_for, tiny_model
 from h3_files import INPUT_KINDS
 
@@ -69,7 +70,6 @@ def test_out_of_place_qk_norm_matches_native(run_ranks):
 
 @pytest.mark.parametrize("heads,world,chunks,expect", [(56, 8, 2, 2), (56, 8, 16, 7), (8, 3, 2, 2), (4, 3, 2, 1)])
 def test_chunk_heads_cover_every_head_in_order(heads, world, chunks, expect):
-    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
     model, cfg = tiny_model()
     plan = plan_for(model, cfg).plan
     for rank in range(world):
@@ -102,7 +102,7 @@ def _pack_all(sp, qkv):
 def test_chunk_layout_of_eight_heads_over_three_ranks():
     # by hand: ranks hold 3 / 3 / 2 heads; two chunks cut them 2 + 1, 2 + 1, 1 + 1; chunk 0 is global
     # heads 0..4 (rank 0: 0-1, rank 1: 2-3, rank 2: 4), chunk 1 heads 5..7 (one each)
-    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+
     model, cfg = tiny_model()
     sp = UlyssesAttention(plan_for(model, cfg).plan.shard(3, 1, 8), 8, 4, chunks=2)
     assert sp.heads == [3, 3, 2]
@@ -116,7 +116,7 @@ def test_chunk_layout_of_eight_heads_over_three_ranks():
 def test_pack_heads_lays_out_every_piece(heads, world, chunks, dtype, dim):
     # the send buffer is chunk-major, then rank-major, each piece [s_r, 3, h_jc, D] of this rank's rows;
     # copied as 8-byte words when a head is a whole number of them (bf16 x 6 is not)
-    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+
     model, cfg = tiny_model()
     plan = plan_for(model, cfg).plan
     sp = UlyssesAttention(plan.shard(world, 1, heads), heads, dim, chunks=chunks)
@@ -131,7 +131,7 @@ def test_each_chunk_is_prepared_just_before_it_is_sent(heads, world, chunks):
     # prepare(a, b) runs once per chunk on its global head span, after the previous chunk's q|k|v
     # all-to-all was issued (so its transfer overlaps the work) and before this chunk is packed (so
     # what leaves is the prepared data); exchanges recorded without a process group
-    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+
     model, cfg = tiny_model()
     plan = plan_for(model, cfg).plan
     events, dim = [], 4
@@ -163,7 +163,7 @@ def test_each_chunk_is_prepared_just_before_it_is_sent(heads, world, chunks):
 
 
 def test_chunks_must_be_positive():
-    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+
     model, cfg = tiny_model()
     plan = plan_for(model, cfg).plan
     with pytest.raises(ValueError, match="chunks must be >= 1"):
@@ -171,7 +171,7 @@ def test_chunks_must_be_positive():
 
 
 def _adaln_shared(rank, world, layers):
-    from comfy.ldm.minimax_h3.ulysses import UlyssesAttention
+
     model, cfg = tiny_model(num_layers=layers)
     plan = plan_for(model, cfg, "keyframes").plan
     sp = UlyssesAttention(plan.shard(world, rank, model.num_heads), model.num_heads, cfg["attention_head_dim"])
@@ -254,3 +254,13 @@ def test_sharded_matches_native_large_worlds(run_ranks, world):
                        timeout=600)[0]
     for r in report:
         assert r["err"] <= 1e-5, r
+
+
+def test_the_ulysses_runner_satisfies_the_protocol_and_incomplete_runners_do_not():
+    model, cfg = tiny_model()
+    plan = plan_for(model, cfg).plan
+    assert isinstance(UlyssesAttention(plan.shard(2, 0, 4), 4, 16), SequenceParallelRunner)
+
+    class NoAttention:
+        world_size = 2
+    assert not isinstance(NoAttention(), SequenceParallelRunner)
