@@ -136,3 +136,105 @@ def test_odd_condition_latents_run_as_their_padded_latents(comfyui_dir):
     theirs, _ = un.build_model(upstream, {})
     with pytest.raises(RuntimeError, match="is invalid for input of size"):
         theirs(x, timestep, context, dict(options), minimax_payload=_odd_inputs(False)[3])
+
+
+# -- 6a: fp16 compute keeps the residual in fp32 ------------------------------------------------------
+
+# weight scales that give the tiny model the full-size model's fp16 trouble spots (measured in fp32 on
+# t2va: residual peak ~1.1e6, attention out_proj ~9e4, fc2 ~3.7e5; fp16 ends at 65504)
+LOUD = {"patch_proj": 3e5, "attn.out_proj.weight": 6e4, "mlp.fc2.weight": 1e5}
+
+
+def _loud_weights():
+    _, weights = un.build_model(rank_steps.OURS, {})
+    for key in weights:
+        for part, scale in LOUD.items():
+            # the DiT blocks' branches only: the token refiner keeps an fp16 residual
+            if part in key and (part == "patch_proj" or key.startswith("blocks.")):
+                weights[key] = weights[key] * scale
+    return weights
+
+
+def _loud_model(module, dtype):
+    import comfy.ops
+    model = module.MiniMaxH3Model(**un.TINY, dtype=dtype, operations=comfy.ops.disable_weight_init).requires_grad_(False)
+    model.load_state_dict(_loud_weights())
+    return model
+
+
+def _peaks(model, x, timestep, context, payload):
+    peaks = {}
+
+    def record(name):
+        return lambda module, args, out: peaks.__setitem__(name, max(peaks.get(name, 0.0), float(out.abs().max())))
+    hooks = [m.register_forward_hook(record(n)) for b in model.blocks for n, m in (("residual", b), ("out_proj", b.attn.out_proj),
+                                                                                   ("fc2", b.mlp.fc2))]
+    try:
+        out = model(x, timestep, context, {}, minimax_payload=payload)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, peaks
+
+
+def _half(x, context):
+    return [x[0].half(), x[1].half()], context.half()
+
+
+def test_fp16_compute_stays_finite_where_the_residual_and_branches_pass_65504(comfyui_dir):
+    x, timestep, context, payload, _, _ = un.case_inputs("t2va")
+    want, peaks = _peaks(_loud_model(rank_steps.OURS, torch.float32), x, timestep, context, payload)
+    fp16_max = torch.finfo(torch.float16).max
+    assert peaks["residual"] > 10 * fp16_max and fp16_max < peaks["out_proj"] < 64 * fp16_max
+    assert fp16_max < peaks["fc2"] < 256 * fp16_max
+    half_x, half_context = _half(x, context)
+    got = _loud_model(rank_steps.OURS, torch.float16)(half_x, timestep, half_context, {}, minimax_payload=payload)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float16 and bool(torch.isfinite(g).all())
+        assert float((g.float() - w).abs().max() / w.abs().max()) <= 5e-3
+    # the pinned base's fp16 residual overflows on the same weights
+    from upstream_newer_test import _base_upstream
+    theirs = _loud_model(_base_upstream(), torch.float16)(half_x, timestep, half_context, {}, minimax_payload=payload)
+    assert not all(bool(torch.isfinite(t).all()) for t in theirs)
+
+
+def test_fp16_compute_dtype_node_through_comfyuis_loader(comfyui_patched, tmp_path):
+    import comfy.model_management
+    import comfy.sd
+    from safetensors.torch import save_file
+
+    from comfy_extras.nodes_model_advanced import ModelComputeDtype
+    path = str(tmp_path / "h3_loud.safetensors")
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in _loud_weights().items()}, path)
+    base = comfy.sd.load_diffusion_model(path)
+    x, timestep, context, payload, _, _ = un.case_inputs("t2va")
+    outputs = {}
+    for name, patcher in (("fp32", base), ("fp16", ModelComputeDtype().patch(base, "fp16")[0])):
+        comfy.model_management.load_models_gpu([patcher])
+        dtype = patcher.model.get_dtype_inference()
+        with torch.no_grad():
+            outputs[name] = patcher.model.diffusion_model([x[0].to(dtype), x[1].to(dtype)], timestep, context.to(dtype),
+                                                           {}, minimax_payload=dict(payload))
+        outputs[name + " dtype"] = dtype
+    assert outputs["fp16 dtype"] == torch.float16 and outputs["fp32 dtype"] == torch.float32
+    for g, w in zip(outputs["fp16"], outputs["fp32"]):
+        assert bool(torch.isfinite(g).all()) and float((g.float() - w).abs().max() / w.abs().max()) <= 5e-3
+
+
+def _loud_on_ranks(rank, world):
+    model = _loud_model(rank_steps.OURS, torch.float16)
+    x, timestep, context, payload, _, _ = un.case_inputs("t2va")
+    half_x, half_context = _half(x, context)
+    native = model(half_x, timestep, half_context, {}, minimax_payload=dict(payload))
+    options = {rank_steps.SEQUENCE_PARALLEL_OPTION: rank_steps.RankRunner(model, rank, world)}
+    sharded = model(half_x, timestep, half_context, options, minimax_payload=dict(payload))
+    return {"native_video": native[0], "native_audio": native[1], "video": sharded[0], "audio": sharded[1]} if rank == 0 else {}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_sharded_matches_native(comfyui_dir, run_ranks, world):
+    # fp16 q|k|v cross the all-to-all; every rank's residual rows stay fp32
+    out = run_ranks(_loud_on_ranks, world, timeout=300)[0]
+    for stream in ("video", "audio"):
+        got, want = out[stream].float(), out[f"native_{stream}"].float()
+        assert bool(torch.isfinite(got).all()) and float((got - want).abs().max() / want.abs().max()) <= 2e-3, stream

@@ -267,7 +267,7 @@ class MiniMaxH3Model(nn.Module):
         return self.time_embedder(t_vals).to(dtype)
 
     def embed(self, plan, shard, inputs):
-        """[shard.rows, hidden] input embeddings of the rows a shard holds."""
+        """[shard.rows, hidden] input embeddings of the rows a shard holds, at the compute dtype (fp32 for fp16)."""
         video_x, audio_x, context, payload = inputs.video, inputs.audio, inputs.context, inputs.payload
         video_x = comfy.ldm.common_dit.pad_to_patch_size(video_x, self.patch_size)
         device, dtype = video_x.device, context.dtype
@@ -275,16 +275,18 @@ class MiniMaxH3Model(nn.Module):
                             patchify_video(video_x.to(torch.float32), self.patch_size), plan.layout.video_cond_rows, "video")
         audio = stream_rows(condition_rows(payload.get("cond_audio_latents", []), pack_audio, plan.aud_aug, plan.seed + 1, device),
                             pack_audio(audio_x.to(torch.float32)), plan.layout.audio_cond_rows, "audio")
+        # fp16 compute keeps the residual stream in fp32: it outgrows fp16's range in the full-size model
+        residual = torch.float32 if dtype == torch.float16 else dtype
         sources = {}
         for name, rows, proj in (("video", video, self.video_patch_proj), ("audio", audio, self.audio_patch_proj)):
             a, b = shard.source_range(name)
-            sources[name] = (a, proj(rows[a:b]).to(dtype))
+            sources[name] = (a, proj(rows[a:b]).to(residual))
         if any(s == "text" for _, _, s, _ in shard.pieces):
             text = context[0]
             if plan.refine_text:
                 text = self.token_refiner(self.condition_proj(text), transformer_options=inputs.options)
             sources["text"] = (0, text)
-        h = torch.empty(shard.rows, self.hidden_size, dtype=dtype, device=device)
+        h = torch.empty(shard.rows, self.hidden_size, dtype=residual, device=device)
         for a, b, source, off in shard.pieces:
             first, rows = sources[source]
             h[a:b] = rows[off - first:off - first + b - a]
@@ -318,14 +320,14 @@ class MiniMaxH3Model(nn.Module):
                 def block_wrap(args, block=block, i=i):
                     return {"img": block(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
                                          transformer_options=args["transformer_options"], attention=args.get("attention"),
-                                         seq_parallel=seq_parallel, adaln=adaln[i])}
+                                         seq_parallel=seq_parallel, adaln=adaln[i], compute_dtype=dtype)}
                 h = blocks_replace[("double_block", i)](
                     {"img": h, "t_emb": t_emb, "mod_segments": mod, "rope_freqs": rope, "layout": plan.layout,
                      "transformer_options": transformer_options},
                     {"original_block": block_wrap})["img"]
             else:
                 h = block(h, t_emb, mod, rope, transformer_options=transformer_options, seq_parallel=seq_parallel,
-                          adaln=adaln[i])
+                          adaln=adaln[i], compute_dtype=dtype)
         kernels.prefetch_pop(prefetch_queue, device, None)
         return self.final_layer(h, t_emb, _rows_to(shard.video_seg, device), _rows_to(shard.audio_seg, device), pdd=plan.pdd)
 

@@ -14,6 +14,11 @@ import comfy.ops
 
 from . import kernels
 from .modulation import mod_gate, norm_scale_shift
+
+# fp16 branches project their input scaled down by these and scale the fp32 result back up: in the
+# full-size model the attention output projection and fc2 outputs peak above fp16's 65504
+FP16_OUT_PROJ_SCALE = 64.0
+FP16_FC2_SCALE = 256.0
 from .pdd import PddHeads, bank_size
 
 
@@ -66,6 +71,8 @@ class Attention(nn.Module):
         else:  # out-of-place norm (training, or no rope): normed up front into a new q|k|v buffer
             q, k = self.norm_qk(qkv, 0, heads, rope_freqs)
             out = seq_parallel.attention(torch.stack([q, k, qkv[:, 2]], dim=1), transformer_options)
+        if out.dtype == torch.float16:  # -> fp32
+            return self.out_proj(out / FP16_OUT_PROJ_SCALE).float() * FP16_OUT_PROJ_SCALE
         return self.out_proj(out)
 
     def norm_qk(self, qkv, a, b, rope_freqs=None):
@@ -91,6 +98,10 @@ class MLP(nn.Module):
         self.fc2 = operations.Linear(ffn, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x):
+        if x.dtype == torch.float16:  # -> fp32; the SwiGLU product runs in fp32 too
+            gate, up = self.fc1(x).chunk(2, dim=-1)
+            act = nn.functional.silu(gate.float()) * up.float()
+            return self.fc2((act / FP16_FC2_SCALE).half()).float() * FP16_FC2_SCALE
         return comfy.ops.linear_input_act(self.fc2, self.fc1(x), "swiglu")
 
 
@@ -125,9 +136,9 @@ class RefinerBlock(nn.Module):
         self.mlp = MLP(hidden, ffn, dtype=dtype, device=device, operations=operations)
 
     def forward(self, x, transformer_options={}):
-        # attn/mlp outputs are fresh: accumulate residuals in place
-        x = self.attn(self.norm1(x), transformer_options=transformer_options).add_(x)
-        return self.mlp(self.norm2(x)).add_(x)
+        # attn/mlp outputs are fresh: accumulate residuals in place (fp16 branches come back in fp32)
+        x = self.attn(self.norm1(x), transformer_options=transformer_options).to(x.dtype).add_(x)
+        return self.mlp(self.norm2(x)).to(x.dtype).add_(x)
 
 
 class TokenRefiner(nn.Module):
@@ -158,23 +169,26 @@ class DiTBlock(nn.Module):
                                     dtype=adaln_dtype if adaln_dtype is not None else dtype,
                                     device=device, operations=operations)
 
-    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None, seq_parallel=None, adaln=None):
+    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None, seq_parallel=None, adaln=None,
+                compute_dtype=None):
         # attention: a replacement for self.attn, called as attention(h, rope_freqs=, transformer_options=)
         # (sparse-attention block patches); adaln: this block's adaln_proj.project(t_emb) when the caller
-        # computed it already (sequence parallel ranks share that work, see UlyssesAttention.adaln_projections)
+        # computed it already (sequence parallel ranks share that work, see UlyssesAttention.adaln_projections);
+        # compute_dtype: the attention and MLP inputs' dtype where the residual x is wider (fp32 under fp16)
         if attention is not None and seq_parallel is not None and seq_parallel.world_size > 1:
             raise ValueError("MiniMax H3 sequence parallelism cannot run a DiTBlock attention= override: it would attend "
                              "over this rank's rows only. Run the patch on one GPU, or select a registered attention "
                              "function (optimized_attention_override), which sees every row")
         mods = self.adaln_proj(t_emb) if adaln is None else self.adaln_proj.split(adaln)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
-        h = norm_scale_shift(self.norm1, x, shift_msa, scale_msa, mod_segments)
+        branch = compute_dtype or x.dtype
+        h = norm_scale_shift(self.norm1, x, shift_msa, scale_msa, mod_segments).to(branch)
         if attention is None:
             attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options, seq_parallel=seq_parallel)
         else:
             attn = attention(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
         x = mod_gate(x, gate_msa, attn, mod_segments)
-        h = norm_scale_shift(self.norm2, x, shift_mlp, scale_mlp, mod_segments)
+        h = norm_scale_shift(self.norm2, x, shift_mlp, scale_mlp, mod_segments).to(branch)
         return mod_gate(x, gate_mlp, self.mlp(h), mod_segments)
 
 
