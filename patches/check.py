@@ -39,7 +39,8 @@ CPU = "from comfy.cli_args import args; args.cpu = True; "
 IMPORT_CHECK = ("import comfy.model_base, comfy.ldm.minimax.model, comfy.ldm.minimax_h3.model, comfy.parallel, "
                 "comfy.model_patcher_snapshot, comfy_extras.nodes_minimax_h3_parallel")
 OUR_TESTS = ["tests-unit/minimax_h3_test", "tests-unit/comfy_test/model_patcher_snapshot_test.py",
-             "tests-unit/comfy_test/model_patcher_snapshot_overlay_test.py", "tests-unit/parallel_test",
+             "tests-unit/comfy_test/model_patcher_snapshot_overlay_test.py",
+             "tests-unit/comfy_test/model_patcher_snapshot_load_test.py", "tests-unit/parallel_test",
              "tests-unit/comfy_extras_test/nodes_minimax_h3_parallel_test.py", "tests-unit/infra_test"]
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 NODE_ID = "MiniMaxH3SequenceParallel"
