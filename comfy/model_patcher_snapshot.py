@@ -173,8 +173,24 @@ def _capture_value(v, tensors, metas, hashed):
     return {"type": "diff", "tensor": name, "pad_weight": pad}, None
 
 
+def _resizing_set_problem(t, weight):
+    """Why a "set" of another shape than the weight's (a PDD LoRA's head bank) cannot be replicated, or None.
+    Only newer ComfyUIs resize a weight with a "set": comfy.lora.calculate_weight is asked, on a 1x1 weight."""
+    import comfy.lora
+    if tuple(t.shape) == tuple(weight.shape):
+        return None
+    try:
+        if comfy.lora.calculate_weight([(1.0, ("set", (torch.ones(2, 1),)), 1.0, None, None)], torch.zeros(1, 1), "").shape == (2, 1):
+            return None
+    except RuntimeError:
+        pass
+    return (f"set of shape {list(t.shape)} on a weight of shape {list(weight.shape)}: this ComfyUI's comfy.lora.calculate_weight "
+            "cannot change a weight's shape (a PDD LoRA's head bank needs a newer ComfyUI)")
+
+
 def _capture_patches(patcher, problems):
-    model_keys = set(patcher.model_state_dict().keys())
+    weights = patcher.model_state_dict()
+    model_keys = set(weights.keys())
     patches, tensors, metas, hashed = {}, {}, {}, _hash_tensors(patcher.patches)
     for key in sorted(patcher.patches):
         if key not in model_keys:
@@ -197,6 +213,9 @@ def _capture_patches(patcher, problems):
                 why = f"offset {offset!r} is not (dim, start, length)"
             if why is None:
                 value, why = _capture_value(v, tensors, metas, hashed)
+            if why is None and offset is None and value["type"] == "set":
+                # refused here, before anything is sent: a worker failing to apply it would break the group
+                why = _resizing_set_problem(v[1][0], weights[key])
             if why is not None:
                 problems.append((key, f"entry {i}: {why}"))
                 continue

@@ -96,3 +96,21 @@ def test_a_pdd_lora_reaches_every_rank_through_comfyuis_patch_path(pdd_files, ne
     finally:
         sp.close()
         importlib.import_module("comfy.model_management").unload_all_models()
+
+
+def test_a_comfyui_that_cannot_resize_weights_refuses_the_bank_before_sending(pdd_files):
+    # the pinned base's comfy/lora.py: its patch path would fail on every worker and break the group, so the
+    # snapshot capture (the first thing prepare() does) refuses, naming each bank key and the fix
+    import comfy.sd
+    from comfy import model_patcher_snapshot as snapshots
+    path, lora = pdd_files
+    base = comfy.sd.load_diffusion_model(path)
+    patched = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0]  # this loader reads set_weight only
+    with pytest.raises(snapshots.UnsupportedPatchState, match=r"set of shape \[1536, 64\] on a weight of shape \[96, 64\]: "
+                                                             r"this ComfyUI's comfy.lora.calculate_weight cannot change") as e:
+        snapshots.PatchSnapshot.capture(patched)
+    assert e.value.keys == ["diffusion_model.final_layer.audio_out.weight", "diffusion_model.final_layer.video_out.weight"]
+    # a "set" of the weight's own shape stays a plain set
+    same = base.clone()
+    same.add_patches({"diffusion_model.final_layer.video_out.weight": ("set", (torch.zeros(96, 64),))})
+    assert snapshots.PatchSnapshot.capture(same).describe()["entries"] == {"set": 1}
