@@ -39,6 +39,13 @@ def comfyui_dir():
 
 
 @pytest.fixture
+def linux_workers():
+    """comfy.parallel's worker processes need Linux (inherited pipe fds, /proc); skips elsewhere."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"comfy.parallel runs worker processes on Linux only (this is {sys.platform})")
+
+
+@pytest.fixture
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     return _free_port()

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from h3_files import TINY_CONFIG, lora_state_dict, step_inputs, write_h3_file
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 TOL = 1e-5
 
 

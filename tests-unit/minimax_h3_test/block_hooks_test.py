@@ -16,7 +16,7 @@ from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model
 from h3_files import TINY_CONFIG, write_h3_file
 from upstream_newer_test import _assert_matches, _base_upstream
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.step_io import StepInputs
 from upstream_newer_test import _assert_matches
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 
 # PDD cases (pdd_mask) need the head bank: item 2's tests run them
 MASK_CASES = [n for n, (model_opts, opts, _) in un.CASES.items()

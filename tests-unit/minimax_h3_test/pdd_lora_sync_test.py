@@ -19,7 +19,7 @@ import upstream_newer as un
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from upstream_newer_test import _assert_matches
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 HEADS = un.PDD_HEADS
 BANK_KEYS = [f"final_layer.{s}_out.{p}" for s in ("video", "audio") for p in ("weight", "bias")]
 

@@ -20,7 +20,7 @@ from comfy.parallel import ParallelCancelled, ParallelGroupError, PreflightMisma
 from h3_cases import tiny_model
 from h3_files import INPUT_KINDS, step_inputs, write_h3_file
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 TOL = 1e-5
 
 

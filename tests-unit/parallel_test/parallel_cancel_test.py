@@ -9,6 +9,8 @@ from parallel_helpers import spec
 
 from comfy.parallel import ParallelCancelled, ParallelGroup, Timeouts
 
+pytestmark = pytest.mark.usefixtures("linux_workers")
+
 PROMPT = 1.0
 
 

@@ -23,6 +23,8 @@ from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelOpError, P
 from comfy.parallel import errors
 from comfy.parallel.protocol import MAGIC, canonical_json, encode, request_digest, write_all
 
+pytestmark = pytest.mark.usefixtures("linux_workers")
+
 DETECT_BOUND = 3.0
 # interpreter exit with an op in flight, under load
 EXIT_BOUND = 15.0

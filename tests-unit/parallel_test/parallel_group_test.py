@@ -15,6 +15,8 @@ from parallel_helpers import child_pids, listening_sockets, spec, wait_until
 
 from comfy.parallel import ParallelGroup, ParallelGroupError, ParallelStateError, PreflightMismatch, process_groups, register_op, unregister_op
 
+pytestmark = pytest.mark.usefixtures("linux_workers")
+
 
 def make_inputs():
     return {
