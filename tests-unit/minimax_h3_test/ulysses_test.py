@@ -36,7 +36,7 @@ def _parity(rank, world, dtype="float32", cases=None, shapes=((5, 7), (6, 8)), o
     return report
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_matches_native_fp32(run_ranks, world):
     report = run_ranks(_parity, world, timeout=240)[0]
     assert len(report) == 2 * len(CASES)
@@ -51,7 +51,7 @@ def test_sharded_matches_native_bf16(run_ranks):
     assert report[0]["err"] <= 2e-2, report
 
 
-@pytest.mark.parametrize("world,chunks", [(2, 1), (3, 2), (2, 4)])
+@pytest.mark.parametrize("world,chunks", [(2, 1), (3, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_pipelined_chunks_match_native(run_ranks, world, chunks):
     # 8 heads: N=3 gives ranks 3/3/2 heads, so chunks=2 cuts them unevenly (2+1, 2+1, 1+1); N=2, chunks=4 is 1 head each
     overrides = {"num_attention_heads": 8, "attention_head_dim": 8, "rope_inv_freq_len": 1}
@@ -187,7 +187,7 @@ def _adaln_shared(rank, world, layers):
     return {"calls": calls, "exact": exact, "count": len(shared), "rows": int(t_emb.shape[0])}
 
 
-@pytest.mark.parametrize("world,layers", [(3, 4), (2, 5), (4, 2)])
+@pytest.mark.parametrize("world,layers", [(3, 4), pytest.param(2, 5, marks=pytest.mark.slow), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_adaln_projections_are_split_over_ranks_and_shared(run_ranks, world, layers):
     # each rank projects only blocks r, r + N, ... (an idle rank, N > blocks, projects one for the shape)
     # and every rank ends with every block's projection, bit-identical to projecting it itself
