@@ -13,6 +13,7 @@ import os
 import platform
 import queue
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -32,8 +33,15 @@ _HELLO = {"rank": int, "world_size": int, "device": str, "backend": str, "store_
           "timeouts": dict}
 
 
+# the rendezvous folder rank 0 made for this group; removed here when rank 0 is gone (it cannot, if killed)
+_rendezvous = [None]
+
+
 def _leave(code):
     """Exit now: no atexit hooks and no process-group destructors that could wait on dead peers."""
+    folder = _rendezvous[0]
+    if code == errors.EXIT_PARENT_GONE and folder is not None and "-rendezvous-" in os.path.basename(folder):
+        shutil.rmtree(folder, ignore_errors=True)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -56,6 +64,7 @@ class Worker:
         self.device_name = body["device"]
         self.backend = body["backend"]
         self.store_path = body["store_path"]
+        _rendezvous[0] = os.path.dirname(self.store_path)
         self.spec = body["spec"]
         self.timeouts = body["timeouts"]
         self._token = token

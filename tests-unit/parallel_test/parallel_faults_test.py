@@ -262,6 +262,12 @@ def test_known_kind_out_of_place_is_rejected(tmp_path):
         assert g.error.exitcode == errors.EXIT_PROTOCOL
 
 
+def _rendezvous_folders(name):
+    from comfy.parallel.group import _temp_root
+    root = _temp_root()
+    return sorted(p for p in os.listdir(root) if p.startswith(f"comfy-parallel-{name}-rendezvous-")) if os.path.isdir(root) else []
+
+
 _RANK0 = textwrap.dedent("""
     import os, sys, time
     from comfy.parallel import ParallelGroup
@@ -283,6 +289,7 @@ _RANK0 = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["exit_without_close", "sigkill"])
 def test_workers_do_not_outlive_rank0(tmp_path, how):
+    before = set(_rendezvous_folders("child"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
     proc = subprocess.Popen([sys.executable, "-c", _RANK0, str(tmp_path), "hang" if how == "sigkill" else "exit"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -295,6 +302,8 @@ def test_workers_do_not_outlive_rank0(tmp_path, how):
         assert wait_until(lambda: all(pid_gone(p) for p in pids), 5.0) is not None, f"workers {pids} outlived rank 0"
         if how == "sigkill":
             assert "rank 0 closed the control channel" in (tmp_path / "rank1-gen1.log").read_text()
+            # rank 0 could not remove its rendezvous folder; its workers did
+            assert wait_until(lambda: not set(_rendezvous_folders("child")) - before, 5.0) is not None, _rendezvous_folders("child")
         else:
             assert proc.returncode == 0
             assert "shutdown requested by rank 0" in (tmp_path / "rank1-gen1.log").read_text()
@@ -306,6 +315,7 @@ def test_workers_do_not_outlive_rank0(tmp_path, how):
 
 
 def test_workers_exit_when_rank0_dies_while_a_forked_helper_holds_the_pipes(tmp_path):
+    before = set(_rendezvous_folders("child"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
     proc = subprocess.Popen([sys.executable, "-c", _RANK0, str(tmp_path), "fork_then_sigkill"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -320,6 +330,7 @@ def test_workers_exit_when_rank0_dies_while_a_forked_helper_holds_the_pipes(tmp_
         assert wait_until(lambda: all(pid_gone(p) for p in pids), 5.0) is not None, f"workers {pids} outlived rank 0"
         assert time.monotonic() - died < 5.0
         assert f"rank 0 (pid {proc.pid}) exited; exiting" in (tmp_path / "rank1-gen1.log").read_text()
+        assert wait_until(lambda: not set(_rendezvous_folders("child")) - before, 5.0) is not None, _rendezvous_folders("child")
     finally:
         if helper is not None:
             try:
