@@ -14,7 +14,7 @@ import rank_steps
 import upstream_newer as un
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model
 from h3_files import TINY_CONFIG, write_h3_file
-from upstream_newer_test import _assert_matches, _base_upstream
+from upstream_newer_test import _base_upstream
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 
@@ -29,8 +29,7 @@ def test_native_matches_newer_upstream(comfyui_dir, reference, name):
     tensors, manifest = reference
     model, _ = un.build_model(rank_steps.OURS, un.CASES[name][0])
     video, audio, seen = un.run_case(rank_steps.OURS, name, model=model)
-    _assert_matches(video, tensors[f"{name}.video"], name)
-    _assert_matches(audio, tensors[f"{name}.audio"], name)
+    un.assert_case_outputs(video, audio, tensors, name)
     # the hook saw block_index 0..L-1, args["layout"] (the same object as transformer_options'), the segments
     assert seen == {k: v for k, v in manifest["cases"][name].items() if k == "hook_calls"}
 
@@ -40,10 +39,7 @@ def test_sharded_matches_newer_upstream(comfyui_dir, reference, run_ranks, world
     tensors, _ = reference
     names = ["t2va", "vsa_gate"]
     results = run_ranks(rank_steps.run_cases, world, kwargs={"names": names}, timeout=300)
-    for name in names:
-        _assert_matches(results[0][f"{name}.video"], tensors[f"{name}.video"], name)
-        _assert_matches(results[0][f"{name}.audio"], tensors[f"{name}.audio"], name)
-        assert len({r["digests"][name] for r in results}) == 1
+    un.assert_ranks_match(results, tensors, names)
 
 
 def test_block_patches_and_attention_overrides_are_refused_sharded(comfyui_dir):

@@ -16,7 +16,6 @@ import rank_steps
 import upstream_newer as un
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.step_io import StepInputs
-from upstream_newer_test import _assert_matches
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 
@@ -39,8 +38,7 @@ def edges():
 def _check_edge(name, video, audio, tensors, edge_tensors):
     """An edge's outputs against the generated reference, or the unmasked t2va reference by hand."""
     if name in me.GENERATED:
-        _assert_matches(video, edge_tensors[f"{name}.video"], name)
-        _assert_matches(audio, edge_tensors[f"{name}.audio"], name)
+        un.assert_case_outputs(video, audio, edge_tensors, name)
         return
     # a mask >= 1 - 1e-3 everywhere leaves every row at its stream's timestep; only the velocity is scaled by it
     _, _, _, _, masks, _ = me.edge_inputs(name)
@@ -49,8 +47,8 @@ def _check_edge(name, video, audio, tensors, edge_tensors):
         want_video = want_video * masks["denoise_mask"]
     if "audio_denoise_mask" in masks:
         want_audio = want_audio * masks["audio_denoise_mask"]
-    _assert_matches(video, want_video, name)
-    _assert_matches(audio, want_audio, name)
+    un.assert_matches(video, want_video, name)
+    un.assert_matches(audio, want_audio, name)
 
 
 def _edges_on_ranks(rank, world):
@@ -78,8 +76,7 @@ def test_native_matches_newer_upstream(comfyui_dir, reference, name):
     tensors, _ = reference
     model, _ = un.build_model(rank_steps.OURS, un.CASES[name][0])
     video, audio, _ = un.run_case(rank_steps.OURS, name, model=model)
-    _assert_matches(video, tensors[f"{name}.video"], name)
-    _assert_matches(audio, tensors[f"{name}.audio"], name)
+    un.assert_case_outputs(video, audio, tensors, name)
 
 
 @pytest.mark.parametrize("name", list(me.EDGES))
@@ -112,8 +109,7 @@ def test_newer_upstream_reproduces_the_edges_reference(comfyui_dir, edges):
     assert module.H3_SHA256 == un.REFERENCE["sha256"] and module.H3_SHIMS == manifest["shims"]
     for name in me.GENERATED:
         video, audio = me.run_edge(module, name)
-        _assert_matches(video, tensors[f"{name}.video"], name)
-        _assert_matches(audio, tensors[f"{name}.audio"], name)
+        un.assert_case_outputs(video, audio, tensors, name)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -121,8 +117,7 @@ def test_sharded_matches_newer_upstream(comfyui_dir, reference, edges, run_ranks
     tensors, _ = reference
     results = run_ranks(_cases_and_edges_on_ranks, world, timeout=600)
     for name in MASK_CASES:
-        _assert_matches(results[0][f"{name}.video"], tensors[f"{name}.video"], name)
-        _assert_matches(results[0][f"{name}.audio"], tensors[f"{name}.audio"], name)
+        un.assert_case_outputs(results[0][f"{name}.video"], results[0][f"{name}.audio"], tensors, name)
     for name in me.EDGES:
         _check_edge(name, results[0][f"{name}.video"], results[0][f"{name}.audio"], tensors, edges[0])
     for name in MASK_CASES + list(me.EDGES):
@@ -264,8 +259,7 @@ def test_sequence_parallel_workers_match_newer_upstream(sp_reference_group, refe
     for name in names:
         x, timestep, context, payload, masks, options = un.case_inputs(name)
         video, audio = rank0(x, timestep, context, dict(options, **{SEQUENCE_PARALLEL_OPTION: sp}), minimax_payload=payload, **masks)
-        _assert_matches(video, tensors[f"{name}.video"], name)
-        _assert_matches(audio, tensors[f"{name}.audio"], name)
+        un.assert_case_outputs(video, audio, tensors, name)
     for name in ("video_zeros", "both_zeros_scale", "video_threshold", "video_near_one"):
         x, timestep, context, payload, masks, options = me.edge_inputs(name)
         video, audio = rank0(x, timestep, context, dict(options, **{SEQUENCE_PARALLEL_OPTION: sp}), minimax_payload=payload, **masks)

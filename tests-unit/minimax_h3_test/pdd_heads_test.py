@@ -13,7 +13,7 @@ import upstream_newer as un
 from comfy.ldm.minimax_h3.pdd import head_shares
 from comfy.ldm.minimax_h3.step_io import StepInputs
 from compat_reexport_test import _reexport
-from upstream_newer_test import _assert_matches, _pdd_head
+from upstream_newer_test import _pdd_head
 
 pytestmark = pytest.mark.comfyui
 PDD = ["pdd_first", "pdd_mid", "pdd_last", "pdd_mask"]  # pdd_mask: a bank under video and audio denoise masks
@@ -39,8 +39,7 @@ def test_native_matches_newer_upstream(comfyui_dir, reference, name):
     tensors, _ = reference
     model, _ = un.build_model(rank_steps.OURS, un.CASES[name][0])
     video, audio, _ = un.run_case(rank_steps.OURS, name, model=model)
-    _assert_matches(video, tensors[f"{name}.video"], name)
-    _assert_matches(audio, tensors[f"{name}.audio"], name)
+    un.assert_case_outputs(video, audio, tensors, name)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -49,10 +48,7 @@ def test_sharded_matches_newer_upstream(comfyui_dir, reference, run_ranks, world
     tensors, _ = reference
     names = ["pdd_first", "pdd_mid", "pdd_mask"]
     results = run_ranks(rank_steps.run_cases, world, kwargs={"names": names}, timeout=300)
-    for name in names:
-        _assert_matches(results[0][f"{name}.video"], tensors[f"{name}.video"], name)
-        _assert_matches(results[0][f"{name}.audio"], tensors[f"{name}.audio"], name)
-        assert len({r["digests"][name] for r in results}) == 1
+    un.assert_ranks_match(results, tensors, names)
 
 
 def test_plan_picks_the_heads_by_hand_and_its_digest_covers_them(comfyui_dir):

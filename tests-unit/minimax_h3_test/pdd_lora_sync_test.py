@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 import rank_steps
 import upstream_newer as un
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
-from upstream_newer_test import _assert_matches
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 HEADS = un.PDD_HEADS
@@ -82,8 +81,8 @@ def test_a_pdd_lora_reaches_every_rank_through_comfyuis_patch_path(pdd_files, ne
             for name in ("pdd_mid", "pdd_last"):
                 sharded, native = _step(model, name, {SEQUENCE_PARALLEL_OPTION: sp}), _step(model, name)
                 for i, stream in enumerate(("video", "audio")):
-                    _assert_matches(native[i], tensors[f"{name}.{stream}"], name)
-                    _assert_matches(sharded[i], tensors[f"{name}.{stream}"], name)
+                    un.assert_matches(native[i], tensors[f"{name}.{stream}"], name)
+                    un.assert_matches(sharded[i], tensors[f"{name}.{stream}"], name)
         # the LoRA removed: every rank is back on the plain heads
         comfy.model_management.load_models_gpu([base])
         sp.prepare(base)

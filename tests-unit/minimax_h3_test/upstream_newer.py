@@ -398,3 +398,25 @@ if __name__ == "__main__":
         raise SystemExit(f"usage: upstream_newer.py MODEL_PY (or set {ENV}); MODEL_PY is {REFERENCE['source']}")
     done = generate(src)
     logging.info("wrote %s: %d cases from %s (shims: %s)", DATA, len(done["cases"]), REFERENCE["source"], done["shims"])
+
+
+def assert_matches(got, want, name):
+    """One output against the stored reference: fp32 to 1e-5 (bit-equal on one machine; another CPU's
+    BLAS may reorder sums), bf16 to its rounding."""
+    tol = {"atol": 1e-2, "rtol": 1.6e-2} if want.dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 0.0}
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape}/{got.dtype} vs {want.shape}/{want.dtype}"
+    torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_case_outputs(video, audio, tensors, name):
+    """A case's video and audio outputs against ``tensors[f"{name}.video"]`` / ``[f"{name}.audio"]``."""
+    assert_matches(video, tensors[f"{name}.video"], name)
+    assert_matches(audio, tensors[f"{name}.audio"], name)
+
+
+def assert_ranks_match(results, tensors, names):
+    """Per-rank results of ``rank_steps.run_cases``: rank 0's outputs equal the reference and every rank
+    built the same plan (equal digests)."""
+    for name in names:
+        assert_case_outputs(results[0][f"{name}.video"], results[0][f"{name}.audio"], tensors, name)
+        assert len({r["digests"][name] for r in results}) == 1, f"{name}: ranks planned differently"

@@ -28,13 +28,6 @@ def _dtype(name):
     return getattr(torch, un.CASES[name][0].get("dtype", "float32"))
 
 
-def _assert_matches(got, want, name):
-    # fp32 agrees to the bit on one machine; another CPU's BLAS may reorder sums
-    tol = {"atol": 1e-2, "rtol": 1.6e-2} if want.dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 0.0}
-    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape}/{got.dtype} vs {want.shape}/{want.dtype}"
-    torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
-
-
 def _base_upstream():
     import comfy.ldm.minimax.model as upstream
     if not hasattr(upstream, "PackedLayout") or upstream.MiniMaxH3Model.__module__ != "comfy.ldm.minimax.model":
@@ -84,8 +77,7 @@ def test_unchanged_features_equal_upstream_at_the_pinned_base(comfyui_dir, refer
     model_opts = {k: v for k, v in un.CASES[name][0].items() if k != "gate_compress"}
     model, _ = un.build_model(upstream, model_opts)
     video, audio, _ = un.run_case(upstream, name, model=model)
-    _assert_matches(video, tensors[f"{name}.video"], name)
-    _assert_matches(audio, tensors[f"{name}.audio"], name)
+    un.assert_case_outputs(video, audio, tensors, name)
 
 
 @pytest.mark.parametrize("name", MASK_CASES)
@@ -162,8 +154,7 @@ def test_pdd_step_uses_the_dt_weighted_heads_it_spans(comfyui_dir, reference, na
         sd[key + ".weight"], sd[key + ".bias"] = _pdd_head(bank[key + ".weight"], bank[key + ".bias"], heads, start, stop, shift)
     model.load_state_dict(sd)
     video, audio, _ = un.run_case(upstream, name, model=model)
-    _assert_matches(video, tensors[f"{name}.video"], name)
-    _assert_matches(audio, tensors[f"{name}.audio"], name)
+    un.assert_case_outputs(video, audio, tensors, name)
 
 
 def test_vsa_gate_weights_load_and_leave_the_dense_forward_unchanged(comfyui_dir, reference):
@@ -208,6 +199,5 @@ def test_newer_upstream_reproduces_the_reference(comfyui_dir, reference):
     assert module.H3_SHIMS == manifest["shims"]
     for name in un.CASES:
         video, audio, seen = un.run_case(module, name, manifest["seed"])
-        _assert_matches(video, tensors[f"{name}.video"], name)
-        _assert_matches(audio, tensors[f"{name}.audio"], name)
+        un.assert_case_outputs(video, audio, tensors, name)
         assert seen == {k: v for k, v in manifest["cases"][name].items() if k == "hook_calls"}
