@@ -119,13 +119,12 @@ def _formats(w):
     ]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_node_matches_the_workflow_without_it_for_every_weight_format(workflow, world, monkeypatch):
     import comfy.model_management
     w = workflow
-    formats = _formats(w) if world == 3 else _formats(w)[1:3]
     natives = {}
-    for name, load, extra, weight_dtype in formats:
+    for name, load, extra, weight_dtype in _formats(w):
         base = load()
         if weight_dtype is not None:
             assert base.model.diffusion_model.blocks[0].attn.qkv_proj.weight.dtype == weight_dtype, name

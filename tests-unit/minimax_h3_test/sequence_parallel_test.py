@@ -33,11 +33,11 @@ def _step(model, cfg, opts=None, kind="refs_all", **kw):
     return model(x, t, c, dict(opts or {}), minimax_payload=p)
 
 
-@pytest.fixture
-def sp_group(comfyui_patched, tmp_path):
+@pytest.fixture(scope="module")
+def _shared_group(comfyui_patched_module, tmp_path_factory):
     import comfy.sd
     _, cfg = tiny_model(num_layers=3)
-    path = write_h3_file(str(tmp_path / "h3_tiny.safetensors"), cfg, seed=4)
+    path = write_h3_file(str(tmp_path_factory.mktemp("sp") / "h3_tiny.safetensors"), cfg, seed=4)
     base = comfy.sd.load_diffusion_model(path)
     sp = SequenceParallel(["cpu"] * 3, headless.loader_call(base), headless.execution_settings(),
                           timeouts=Timeouts(startup=120, op=60, cancel=10))
@@ -48,11 +48,18 @@ def sp_group(comfyui_patched, tmp_path):
         sp.close()
 
 
+@pytest.fixture
+def sp_group(_shared_group):
+    """One group for the module's tests (each leaves it ready; restarted if a failing test broke it)."""
+    sp, _, base, _ = _shared_group
+    if sp.group.state != "ready":
+        sp.ensure_started(base)
+    return _shared_group
+
+
 def test_parity_for_every_input_kind_after_the_snapshot_is_acked(sp_group):
     sp, rank0, base, cfg = sp_group
     opts = {SEQUENCE_PARALLEL_OPTION: sp}
-    with pytest.raises(snapshots.SnapshotNotAcked, match="no patch snapshot has been synced"):
-        _step(rank0, cfg, opts)
     sp.prepare(base)
     assert sp.synced.key_count == 0
     for kind in INPUT_KINDS:
@@ -101,7 +108,7 @@ def test_killed_worker_gives_a_clear_error_and_recovers(sp_group):
     killer.join()
     assert ei.value.rank == 2 and "rank 2" in str(ei.value)
     sp.ensure_started(base)  # rebuilds the broken group; patches must be re-synced first
-    with pytest.raises(snapshots.SnapshotNotAcked):
+    with pytest.raises(snapshots.SnapshotNotAcked, match="no patch snapshot has been synced"):
         _step(rank0, cfg, opts)
     sp.prepare(base)
     assert _rel(_step(rank0, cfg, opts), _step(rank0, cfg)) <= TOL
@@ -114,7 +121,7 @@ def test_bad_inputs_are_refused_on_rank0_and_the_same_workers_run_the_next_step(
     sp, rank0, base, cfg = sp_group
     sp.prepare(base)
     opts = {SEQUENCE_PARALLEL_OPTION: sp}
-    pids = sp.group.worker_pids()
+    pids, steps = sp.group.worker_pids(), sp.steps_run
     x, t, c, p = step_inputs(cfg, "keyframes", height=5)
     audio_conds = p["cond_audio_latents"]
     bad = [
@@ -134,9 +141,9 @@ def test_bad_inputs_are_refused_on_rank0_and_the_same_workers_run_the_next_step(
     with pytest.raises(ValueError, match="attention function was replaced on rank 0"):
         rank0(x, t, c, dict(opts), minimax_payload=p)
     monkeypatch.undo()
-    assert sp.steps_run == 0 and sp.group.worker_pids() == pids
+    assert sp.steps_run == steps and sp.group.worker_pids() == pids
     assert _rel(rank0(x, t, c, dict(opts), minimax_payload=p), rank0(x, t, c, {}, minimax_payload=p)) <= TOL
-    assert sp.steps_run == 1 and sp.group.worker_pids() == pids
+    assert sp.steps_run == steps + 1 and sp.group.worker_pids() == pids
 
 
 def test_a_rank_on_another_patch_version_refuses_the_step_before_its_shard_runs(sp_group):
