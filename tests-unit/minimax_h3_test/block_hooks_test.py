@@ -1,8 +1,9 @@
 """Issue 19 items 3 and 4: block patches get the layout, sparse-attention hooks, VSA gate weights.
 
-Checked against the newer upstream's stored outputs (block_hook, vsa_gate, t2va) natively and on 2
-and 3 gloo ranks, against the pinned base's upstream model for a Fun ControlNet-Union style patch
-(``layout.img_pos``, ``DiTBlock.forward``), and through ComfyUI's loader for a VSA checkpoint.
+Checked against the newer upstream's stored outputs (block_hook, vsa_gate, t2va), against the pinned
+base's upstream model for a Fun ControlNet-Union style patch (``layout.img_pos``, ``DiTBlock.forward``),
+and through ComfyUI's loader for a VSA checkpoint. Sharded (gloo ranks, worker groups, a kernel-level
+sparse attention on every rank): newer_features_sharded_test.
 """
 
 import logging
@@ -10,43 +11,33 @@ import logging
 import pytest
 import torch
 
-import rank_steps
 import upstream_newer as un
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model
 from h3_files import TINY_CONFIG, write_h3_file
 from upstream_newer_test import _base_upstream
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return un.load_reference()
+pytestmark = pytest.mark.comfyui
 
 
 @pytest.mark.parametrize("name", ["t2va", "block_hook", "vsa_gate"])
 def test_native_matches_newer_upstream(comfyui_dir, reference, name):
     tensors, manifest = reference
-    model, _ = un.build_model(rank_steps.OURS, un.CASES[name][0])
-    video, audio, seen = un.run_case(rank_steps.OURS, name, model=model)
+    model, _ = un.build_model(un.ours(), un.CASES[name][0])
+    video, audio, seen = un.run_case(un.ours(), name, model=model)
     un.assert_case_outputs(video, audio, tensors, name)
     # the hook saw block_index 0..L-1, args["layout"] (the same object as transformer_options'), the segments
     assert seen == {k: v for k, v in manifest["cases"][name].items() if k == "hook_calls"}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_matches_newer_upstream(comfyui_dir, reference, run_ranks, world):
-    tensors, _ = reference
-    names = ["t2va", "vsa_gate"]
-    results = run_ranks(rank_steps.run_cases, world, kwargs={"names": names}, timeout=300)
-    un.assert_ranks_match(results, tensors, names)
-
-
 def test_block_patches_and_attention_overrides_are_refused_sharded(comfyui_dir):
-    model, _ = un.build_model(rank_steps.OURS, {})
+    model, _ = un.build_model(un.ours(), {})
     x, timestep, context, payload, _, options = un.case_inputs("block_hook")
     options.update(un._attention_hook(model, []))
-    options[SEQUENCE_PARALLEL_OPTION] = rank_steps.RankRunner(model, 0, 2)
+
+    def sending(plan, inputs):  # a runner sends the step's inputs to the other ranks: encode() refuses them
+        inputs.encode()
+        pytest.fail("the step inputs were encoded for the other ranks")
+    options[SEQUENCE_PARALLEL_OPTION] = sending
     # refused on rank 0 before anything is sent: a block patch would see rank 0's rows only
     with pytest.raises(ValueError, match=r"cannot run block replacement patches \[.*double_block.*\].*run on one GPU"):
         model(x, timestep, context, options, minimax_payload=payload)
@@ -57,54 +48,6 @@ def test_block_patches_and_attention_overrides_are_refused_sharded(comfyui_dir):
     h = torch.zeros(3, TINY_CONFIG["hidden_size"])
     with pytest.raises(ValueError, match=r"attention= override: it would attend over this rank's rows only"):
         block(h, torch.zeros(2, TINY_CONFIG["time_embed_dim"]), [(0, 3, 0)], None, attention=block.attn, seq_parallel=TwoRanks())
-
-
-SEEN = []
-
-
-def segment_attention(func, q, k, v, heads, mask=None, skip_reshape=False, transformer_options={}, **kwargs):
-    """A kernel-level sparse attention (optimized_attention_override): rows attend only within their
-    own layout segment. It needs every row of its heads, which Ulysses' all-to-all gives each rank."""
-    layout = transformer_options["minimax_h3_layout"]
-    seq = q.shape[2]  # [1, heads, S, D]
-    if seq != layout.seq_len:  # the token refiner's text-only attention stays dense
-        return func(q, k, v, heads, mask=mask, skip_reshape=skip_reshape, transformer_options=transformer_options, **kwargs)
-    SEEN.append(transformer_options["block_index"])
-    seg = torch.empty(seq, dtype=torch.long)
-    for i, (a, b, _) in enumerate(layout.segments):
-        seg[a:b] = i
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seg[:, None] == seg[None, :])
-    return out.transpose(1, 2).reshape(q.shape[0], seq, -1)
-
-
-def _segment_attention_case(rank, world):
-    SEEN.clear()
-    model, _ = un.build_model(rank_steps.OURS, {})
-    x, timestep, context, payload, _, options = un.case_inputs("keyframes_tags")
-    extra = {"optimized_attention_override": segment_attention}
-    if world > 1:
-        options[SEQUENCE_PARALLEL_OPTION] = rank_steps.RankRunner(model, rank, world, extra_options=extra)
-    else:
-        options.update(extra)
-    video, audio = model(x, timestep, context, options, minimax_payload=payload)
-    return {"video": video, "audio": audio, "seen": list(SEEN)}
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_kernel_sparse_attention_reads_the_global_layout_on_every_rank(comfyui_dir, run_ranks, world):
-    native = _segment_attention_case(0, 1)
-    blocks = list(range(TINY_CONFIG["num_layers"]))
-    assert native["seen"] == blocks
-    model, _ = un.build_model(rank_steps.OURS, {})
-    x, timestep, context, payload, _, _ = un.case_inputs("keyframes_tags")
-    dense = model(x, timestep, context, {}, minimax_payload=payload)
-    assert not torch.allclose(native["video"], dense[0], atol=1e-3)  # the sparsity changes the result
-    results = run_ranks(_segment_attention_case, world, timeout=300)
-    for r in results:  # every rank's own options carried the layout and block_index (one call per head chunk)
-        assert sorted(set(r["seen"])) == blocks and r["seen"] == sorted(r["seen"]), r["seen"]
-    for stream in ("video", "audio"):
-        got, want = results[0][stream], native[stream]
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), stream
 
 
 def _fun_control_patch(module, control, controls, layout=None):
@@ -188,27 +131,3 @@ def test_vsa_checkpoint_loads_its_gates_through_comfyuis_loader(comfyui_patched,
                     plain(x, timestep, context, {}, minimax_payload=dict(payload))):
         assert torch.equal(a, b)
     assert all(b.attn.to_gate_compress is None for b in plain.blocks)
-
-
-def test_vsa_checkpoint_runs_sharded_on_workers_that_loaded_it(comfyui_patched, tmp_path):
-    # every worker loads the file with rank 0's loader call: the forward's preflight compares plan digests,
-    # which name the gated model (a worker that dropped the gates would refuse the step)
-    import comfy.sd
-    from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel
-    from comfy.parallel import Timeouts, headless
-    path = write_h3_file(str(tmp_path / "h3_vsa.safetensors"), dict(TINY_CONFIG, gate_compress=True), seed=6)
-    base = comfy.sd.load_diffusion_model(path)
-    model = base.model.diffusion_model
-    sp = SequenceParallel(["cpu"] * 2, headless.loader_call(base), headless.execution_settings(),
-                          timeouts=Timeouts(startup=120, op=60, cancel=10))
-    try:
-        sp.ensure_started(base)
-        sp.prepare(base)
-        x, timestep, context, payload, _, _ = un.case_inputs("keyframes_tags")
-        sharded = model(x, timestep, context, {SEQUENCE_PARALLEL_OPTION: sp}, minimax_payload=dict(payload))
-        native = model(x, timestep, context, {}, minimax_payload=dict(payload))
-    finally:
-        sp.close()
-    assert model.config["gate_compress"] and sp.steps_run == 1
-    for s, n in zip(sharded, native):
-        assert (s - n).abs().max() <= 1e-5 * n.abs().max()

@@ -10,16 +10,10 @@ import pytest
 import torch
 
 import comfy.model_prefetch
-import rank_steps
 import upstream_newer as un
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 
 pytestmark = pytest.mark.comfyui
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return un.load_reference()
 
 
 def _step(model, options=None):
@@ -60,7 +54,7 @@ def test_the_pinned_base_gets_its_own_calls(comfyui_dir, reference, monkeypatch)
         calls.append(None if module is None else type(module).__name__)
         return real_pop(queue, device, module, dtype, core, enable_graph, generator)
     monkeypatch.setattr(comfy.model_prefetch, "prefetch_queue_pop", pop)
-    model, _ = un.build_model(rank_steps.OURS, {})
+    model, _ = un.build_model(un.ours(), {})
     video, audio = _step(model)
     # one pop per block; without a prefetch queue the base needs no closing pop
     assert calls == ["DiTBlock"] * un.TINY["num_layers"]
@@ -70,7 +64,7 @@ def test_the_pinned_base_gets_its_own_calls(comfyui_dir, reference, monkeypatch)
 @pytest.mark.parametrize("module_first", [False, True])
 def test_a_compiling_core_gets_one_graph_per_forward_and_block_scopes(comfyui_dir, reference, monkeypatch, module_first):
     core = NewerCore(monkeypatch, module_first)
-    model, _ = un.build_model(rank_steps.OURS, {})
+    model, _ = un.build_model(un.ours(), {})
     video, audio = _step(model)
     blocks = [("pop", "DiTBlock", "block")] * un.TINY["num_layers"]
     begin = ("begin", "MiniMaxH3Model" if module_first else None, "cpu")
@@ -81,7 +75,7 @@ def test_a_compiling_core_gets_one_graph_per_forward_and_block_scopes(comfyui_di
 
 def test_the_graph_ends_when_the_forward_fails(comfyui_dir, monkeypatch):
     core = NewerCore(monkeypatch, module_first=False)
-    model, _ = un.build_model(rank_steps.OURS, {})
+    model, _ = un.build_model(un.ours(), {})
     x, timestep, context, payload, _, _ = un.case_inputs("t2va")
     with pytest.raises(ValueError, match="batch size 1"):
         model([x[0].expand(2, -1, -1, -1, -1), x[1]], timestep, context, {}, minimax_payload=payload)
@@ -90,7 +84,7 @@ def test_the_graph_ends_when_the_forward_fails(comfyui_dir, monkeypatch):
 
 def test_no_graph_where_the_core_disables_it_or_with_a_sequence_parallel_runner(comfyui_dir, monkeypatch):
     core = NewerCore(monkeypatch, module_first=False, enabled=False)
-    model, _ = un.build_model(rank_steps.OURS, {})
+    model, _ = un.build_model(un.ours(), {})
     _step(model)
     assert not [e for e in core.events if e[0] in ("begin", "end")]
     core = NewerCore(monkeypatch, module_first=False)

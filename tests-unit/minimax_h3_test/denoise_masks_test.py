@@ -1,9 +1,9 @@
 """Issue 19 item 1: per-token video/audio denoise masks and the #15988 masked-row velocity scaling.
 
 Our forward against the newer upstream's stored outputs (upstream_newer's mask cases, mask_edges'
-generated edges) natively, on 2 and 3 gloo ranks with the masks carried in the StepInputs, and on a
-sequence-parallel group of headless ComfyUI workers loading a real checkpoint. Edges that follow from
-the unmasked reference by hand (all-ones, just above the 1 - 1e-3 threshold) are checked against it.
+generated edges), and the plan's per-row levels, each rank's rows of them and the digest. Edges that
+follow from the unmasked reference by hand (all-ones, just above the 1 - 1e-3 threshold) are checked
+against it. The same cases on gloo ranks and on worker groups: newer_features_sharded_test.
 """
 
 import os
@@ -12,77 +12,23 @@ import pytest
 import torch
 
 import mask_edges as me
-import rank_steps
 import upstream_newer as un
-from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.step_io import StepInputs
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
+pytestmark = pytest.mark.comfyui
 
-# PDD cases (pdd_mask) need the head bank: item 2's tests run them
-MASK_CASES = [n for n, (model_opts, opts, _) in un.CASES.items()
-              if (opts.get("video_mask") or opts.get("audio_mask")) and not model_opts.get("pdd_heads")]
-HAND_EDGES = [n for n in me.EDGES if n not in me.GENERATED]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return un.load_reference()
-
-
-@pytest.fixture(scope="module")
-def edges():
-    return me.load_reference()
-
-
-def _check_edge(name, video, audio, tensors, edge_tensors):
-    """An edge's outputs against the generated reference, or the unmasked t2va reference by hand."""
-    if name in me.GENERATED:
-        un.assert_case_outputs(video, audio, edge_tensors, name)
-        return
-    # a mask >= 1 - 1e-3 everywhere leaves every row at its stream's timestep; only the velocity is scaled by it
-    _, _, _, _, masks, _ = me.edge_inputs(name)
-    want_video, want_audio = tensors["t2va.video"], tensors["t2va.audio"]
-    if "denoise_mask" in masks:
-        want_video = want_video * masks["denoise_mask"]
-    if "audio_denoise_mask" in masks:
-        want_audio = want_audio * masks["audio_denoise_mask"]
-    un.assert_matches(video, want_video, name)
-    un.assert_matches(audio, want_audio, name)
-
-
-def _edges_on_ranks(rank, world):
-    out, digests = {}, {}
-    for name in me.EDGES:
-        model, _ = un.build_model(rank_steps.OURS, {})
-        x, timestep, context, payload, masks, options = me.edge_inputs(name)
-        runner = rank_steps.RankRunner(model, rank, world)
-        options[SEQUENCE_PARALLEL_OPTION] = runner
-        video, audio = model(x, timestep, context, options, minimax_payload=payload, **masks)
-        digests[name] = runner.digests[-1]
-        if rank == 0:
-            out[f"{name}.video"], out[f"{name}.audio"] = video, audio
-    return dict(out, digests=digests)
-
-
-def _cases_and_edges_on_ranks(rank, world):
-    cases = rank_steps.run_cases(rank, world, MASK_CASES)
-    edge = _edges_on_ranks(rank, world)
-    return {**cases, **edge, "digests": {**cases["digests"], **edge["digests"]}}
-
-
-@pytest.mark.parametrize("name", MASK_CASES)
+@pytest.mark.parametrize("name", me.MASK_CASES)
 def test_native_matches_newer_upstream(comfyui_dir, reference, name):
     tensors, _ = reference
-    model, _ = un.build_model(rank_steps.OURS, un.CASES[name][0])
-    video, audio, _ = un.run_case(rank_steps.OURS, name, model=model)
+    model, _ = un.build_model(un.ours(), un.CASES[name][0])
+    video, audio, _ = un.run_case(un.ours(), name, model=model)
     un.assert_case_outputs(video, audio, tensors, name)
 
 
 @pytest.mark.parametrize("name", list(me.EDGES))
 def test_native_edges(comfyui_dir, reference, edges, name):
-    video, audio = me.run_edge(rank_steps.OURS, name)
-    _check_edge(name, video, audio, reference[0], edges[0])
+    video, audio = me.run_edge(un.ours(), name)
+    me.check_edge(name, video, audio, reference[0], edges[0])
     _, _, _, _, masks, _ = me.edge_inputs(name)
     # a fully kept stream has no velocity at all: the sampler's x0 = x - sigma * v is x
     if float(masks.get("denoise_mask", torch.ones(1)).max()) == 0.0:
@@ -112,22 +58,10 @@ def test_newer_upstream_reproduces_the_edges_reference(comfyui_dir, edges):
         un.assert_case_outputs(video, audio, tensors, name)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_matches_newer_upstream(comfyui_dir, reference, edges, run_ranks, world):
-    tensors, _ = reference
-    results = run_ranks(_cases_and_edges_on_ranks, world, timeout=600)
-    for name in MASK_CASES:
-        un.assert_case_outputs(results[0][f"{name}.video"], results[0][f"{name}.audio"], tensors, name)
-    for name in me.EDGES:
-        _check_edge(name, results[0][f"{name}.video"], results[0][f"{name}.audio"], tensors, edges[0])
-    for name in MASK_CASES + list(me.EDGES):
-        assert len({r["digests"][name] for r in results}) == 1, name
-
-
 # -- the plan: per-row levels and indices, each rank's rows, the digest -----------------------------
 
 def _plan(name, masks=None):
-    model, _ = un.build_model(rank_steps.OURS, un.CASES[name][0])
+    model, _ = un.build_model(un.ours(), un.CASES[name][0])
     x, timestep, context, payload, case_masks, options = un.case_inputs(name, model.dtype)
     masks = case_masks if masks is None else masks
     return model.plan(StepInputs(x[0], x[1], timestep, context, payload, options, masks.get("denoise_mask"),
@@ -215,7 +149,7 @@ def test_step_inputs_carry_the_masks(comfyui_dir):
 
 
 def test_bad_masks_are_refused_with_the_fix(comfyui_dir):
-    model, _ = un.build_model(rank_steps.OURS, {})
+    model, _ = un.build_model(un.ours(), {})
     x, timestep, context, payload, _, options = un.case_inputs("t2va")
     video = torch.ones(1, 1, *x[0].shape[2:])
     bad = [
@@ -228,43 +162,6 @@ def test_bad_masks_are_refused_with_the_fix(comfyui_dir):
     for masks, message in bad:
         with pytest.raises(ValueError, match=message):
             model(x, timestep, context, dict(options), minimax_payload=payload, **masks)
-
-
-# -- a sequence-parallel group of headless ComfyUI workers on a real checkpoint ---------------------
-
-@pytest.fixture
-def sp_reference_group(comfyui_patched, tmp_path):
-    import comfy.sd
-    from safetensors.torch import save_file
-
-    from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel
-    from comfy.parallel import Timeouts, headless
-    model, weights = un.build_model(rank_steps.OURS, {})
-    path = str(tmp_path / "h3_reference_weights.safetensors")
-    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()}, path)
-    base = comfy.sd.load_diffusion_model(path)
-    sp = SequenceParallel(["cpu"] * 3, headless.loader_call(base), headless.execution_settings(),
-                          timeouts=Timeouts(startup=300, op=120, cancel=20))
-    try:
-        sp.prepare(base)
-        yield sp, base.model.diffusion_model
-    finally:
-        sp.close()
-
-
-def test_sequence_parallel_workers_match_newer_upstream(sp_reference_group, reference, edges):
-    sp, rank0 = sp_reference_group
-    tensors, _ = reference
-    names = [n for n in MASK_CASES if not un.CASES[n][0]]  # the checkpoint is the plain fp32 model
-    for name in names:
-        x, timestep, context, payload, masks, options = un.case_inputs(name)
-        video, audio = rank0(x, timestep, context, dict(options, **{SEQUENCE_PARALLEL_OPTION: sp}), minimax_payload=payload, **masks)
-        un.assert_case_outputs(video, audio, tensors, name)
-    for name in ("video_zeros", "both_zeros_scale", "video_threshold", "video_near_one"):
-        x, timestep, context, payload, masks, options = me.edge_inputs(name)
-        video, audio = rank0(x, timestep, context, dict(options, **{SEQUENCE_PARALLEL_OPTION: sp}), minimax_payload=payload, **masks)
-        _check_edge(name, video, audio, tensors, edges[0])
-    assert sp.steps_run == len(names) + 4
 
 
 def test_mask_row_values_pools_each_patch_by_hand_and_as_newer_upstream(comfyui_patched):

@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import rank_steps
 import upstream_newer as un
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 
@@ -36,8 +35,8 @@ def newer_lora():
 @pytest.fixture
 def pdd_files(comfyui_patched, tmp_path):
     """(model file, PDD LoRA state dict): the harness's plain tiny model and its 16-head bank."""
-    _, plain = un.build_model(rank_steps.OURS, {})
-    _, bank = un.build_model(rank_steps.OURS, {"pdd_heads": HEADS})
+    _, plain = un.build_model(un.ours(), {})
+    _, bank = un.build_model(un.ours(), {"pdd_heads": HEADS})
     path = str(tmp_path / "h3_tiny.safetensors")
     save_file({"model.diffusion_model." + k: v.contiguous() for k, v in plain.items()}, path)
     lora = {}

@@ -8,18 +8,14 @@ rank's plan digest is the same, and runs this rank's shard with ``ulysses.sharde
 
 import json
 import math
-import types
 
 import torch
 import torch.distributed as dist
 
 import upstream_newer as un
-from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model
+from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.step_io import StepInputs
 from comfy.ldm.minimax_h3.ulysses import sharded_forward
-
-OURS = types.SimpleNamespace(MiniMaxH3Model=MiniMaxH3Model)
-
 
 class RankRunner:
     """The runner each rank's model calls; ``extra_options`` are added to the decoded options on every
@@ -55,7 +51,7 @@ def run_cases(rank, world, names):
     {"<case>.video" / "<case>.audio": rank 0's outputs, "digests": {case: plan digest}}."""
     out, digests = {}, {}
     for name in names:
-        model, _ = un.build_model(OURS, un.CASES[name][0])
+        model, _ = un.build_model(un.ours(), un.CASES[name][0])
         x, timestep, context, payload, kwargs, options = un.case_inputs(name, model.dtype)
         runner = RankRunner(model, rank, world)
         options[SEQUENCE_PARALLEL_OPTION] = runner

@@ -9,7 +9,6 @@ the padded grid, the explicitly padded input, and the fp32 model.
 import pytest
 import torch
 
-import rank_steps
 import upstream_newer as un
 from comfy.ldm.minimax_h3.step_io import StepInputs
 from h3_files import TINY_CONFIG, write_h3_file
@@ -59,7 +58,7 @@ def test_comfyui_sampling_reads_the_text_tags_once(comfyui_patched, tmp_path):
 
 
 def test_sequence_parallel_ranks_take_the_runs_from_the_payload(comfyui_dir):
-    model, _ = un.build_model(rank_steps.OURS, {})
+    model, _ = un.build_model(un.ours(), {})
     x, timestep, context, payload, _, options = un.case_inputs("keyframes_tags")
     tags = payload["text_token_tags"]
     payload["text_token_tags"] = _counting(tags)
@@ -121,7 +120,7 @@ def _odd_inputs(pre_padded):
 
 
 def test_odd_condition_latents_run_as_their_padded_latents(comfyui_dir):
-    model, _ = un.build_model(rank_steps.OURS, {})
+    model, _ = un.build_model(un.ours(), {})
     x, timestep, context, payload, options = _odd_inputs(False)
     got = model(x, timestep, context, dict(options), minimax_payload=payload)
     x, timestep, context, padded, options = _odd_inputs(True)
@@ -140,28 +139,6 @@ def test_odd_condition_latents_run_as_their_padded_latents(comfyui_dir):
 
 # -- 6a: fp16 compute keeps the residual in fp32 ------------------------------------------------------
 
-# weight scales that give the tiny model the full-size model's fp16 trouble spots (measured in fp32 on
-# t2va: residual peak ~1.1e6, attention out_proj ~9e4, fc2 ~3.7e5; fp16 ends at 65504)
-LOUD = {"patch_proj": 3e5, "attn.out_proj.weight": 6e4, "mlp.fc2.weight": 1e5}
-
-
-def _loud_weights():
-    _, weights = un.build_model(rank_steps.OURS, {})
-    for key in weights:
-        for part, scale in LOUD.items():
-            # the DiT blocks' branches only: the token refiner keeps an fp16 residual
-            if part in key and (part == "patch_proj" or key.startswith("blocks.")):
-                weights[key] = weights[key] * scale
-    return weights
-
-
-def _loud_model(module, dtype):
-    import comfy.ops
-    model = module.MiniMaxH3Model(**un.TINY, dtype=dtype, operations=comfy.ops.disable_weight_init).requires_grad_(False)
-    model.load_state_dict(_loud_weights())
-    return model
-
-
 def _peaks(model, x, timestep, context, payload):
     peaks = {}
 
@@ -177,24 +154,20 @@ def _peaks(model, x, timestep, context, payload):
     return out, peaks
 
 
-def _half(x, context):
-    return [x[0].half(), x[1].half()], context.half()
-
-
 def test_fp16_compute_stays_finite_where_the_residual_and_branches_pass_65504(comfyui_dir):
     x, timestep, context, payload, _, _ = un.case_inputs("t2va")
-    want, peaks = _peaks(_loud_model(rank_steps.OURS, torch.float32), x, timestep, context, payload)
+    want, peaks = _peaks(un.loud_model(un.ours(), torch.float32), x, timestep, context, payload)
     fp16_max = torch.finfo(torch.float16).max
     assert peaks["residual"] > 10 * fp16_max and fp16_max < peaks["out_proj"] < 64 * fp16_max
     assert fp16_max < peaks["fc2"] < 256 * fp16_max
-    half_x, half_context = _half(x, context)
-    got = _loud_model(rank_steps.OURS, torch.float16)(half_x, timestep, half_context, {}, minimax_payload=payload)
+    half_x, half_context = un.half(x, context)
+    got = un.loud_model(un.ours(), torch.float16)(half_x, timestep, half_context, {}, minimax_payload=payload)
     for g, w in zip(got, want):
         assert g.dtype == torch.float16 and bool(torch.isfinite(g).all())
         assert float((g.float() - w).abs().max() / w.abs().max()) <= 5e-3
     # the pinned base's fp16 residual overflows on the same weights
     from upstream_newer_test import _base_upstream
-    theirs = _loud_model(_base_upstream(), torch.float16)(half_x, timestep, half_context, {}, minimax_payload=payload)
+    theirs = un.loud_model(_base_upstream(), torch.float16)(half_x, timestep, half_context, {}, minimax_payload=payload)
     assert not all(bool(torch.isfinite(t).all()) for t in theirs)
 
 
@@ -205,7 +178,7 @@ def test_fp16_compute_dtype_node_through_comfyuis_loader(comfyui_patched, tmp_pa
 
     from comfy_extras.nodes_model_advanced import ModelComputeDtype
     path = str(tmp_path / "h3_loud.safetensors")
-    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in _loud_weights().items()}, path)
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in un.loud_weights().items()}, path)
     base = comfy.sd.load_diffusion_model(path)
     x, timestep, context, payload, _, _ = un.case_inputs("t2va")
     outputs = {}
@@ -219,22 +192,3 @@ def test_fp16_compute_dtype_node_through_comfyuis_loader(comfyui_patched, tmp_pa
     assert outputs["fp16 dtype"] == torch.float16 and outputs["fp32 dtype"] == torch.float32
     for g, w in zip(outputs["fp16"], outputs["fp32"]):
         assert bool(torch.isfinite(g).all()) and float((g.float() - w).abs().max() / w.abs().max()) <= 5e-3
-
-
-def _loud_on_ranks(rank, world):
-    model = _loud_model(rank_steps.OURS, torch.float16)
-    x, timestep, context, payload, _, _ = un.case_inputs("t2va")
-    half_x, half_context = _half(x, context)
-    native = model(half_x, timestep, half_context, {}, minimax_payload=dict(payload))
-    options = {rank_steps.SEQUENCE_PARALLEL_OPTION: rank_steps.RankRunner(model, rank, world)}
-    sharded = model(half_x, timestep, half_context, options, minimax_payload=dict(payload))
-    return {"native_video": native[0], "native_audio": native[1], "video": sharded[0], "audio": sharded[1]} if rank == 0 else {}
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_fp16_sharded_matches_native(comfyui_dir, run_ranks, world):
-    # fp16 q|k|v cross the all-to-all; every rank's residual rows stay fp32
-    out = run_ranks(_loud_on_ranks, world, timeout=300)[0]
-    for stream in ("video", "audio"):
-        got, want = out[stream].float(), out[f"native_{stream}"].float()
-        assert bool(torch.isfinite(got).all()) and float((got - want).abs().max() / want.abs().max()) <= 2e-3, stream

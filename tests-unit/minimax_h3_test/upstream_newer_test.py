@@ -19,11 +19,6 @@ MASK_CASES = [n for n, (_, opts, _) in un.CASES.items() if opts.get("video_mask"
 UNCHANGED = [n for n, (_, _, unchanged) in un.CASES.items() if unchanged]
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return un.load_reference()
-
-
 def _dtype(name):
     return getattr(torch, un.CASES[name][0].get("dtype", "float32"))
 
