@@ -28,7 +28,7 @@ def comfy(comfyui_models):
     import comfy.lora
     import comfy.model_management
     import comfy.model_patcher
-    import comfy.model_patcher_snapshot_load
+    import comfy.model_patcher_snapshot.load
     return comfy
 
 
@@ -94,7 +94,7 @@ def test_worker_load_equals_comfyui_through_load_strength_swap_and_clear(comfy, 
 
 def test_backups_stay_on_the_device_exactly_when_weights_backups_and_headroom_fit(comfy, monkeypatch):
     """The choice as numbers: ComfyUI's reserve plus a tenth of the device must stay free (any CPU machine)."""
-    mm, choose = comfy.model_management, comfy.model_patcher_snapshot_load.backup_device
+    mm, choose = comfy.model_management, comfy.model_patcher_snapshot.load.backup_device
     gpu = torch.device("cuda", 0)
     model = TinyH3Base(comfy, torch.bfloat16)
     main, _ = (_load(comfy, model, sd) for sd in _lora_files(full_family=False))

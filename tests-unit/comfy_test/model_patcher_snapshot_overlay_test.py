@@ -21,7 +21,7 @@ from comfy.cli_args import args
 if not torch.cuda.is_available():
     args.cpu = True
 
-from comfy import model_patcher_snapshot_codec as codec
+from comfy.model_patcher_snapshot import codec
 from comfy.model_patcher_snapshot import (PatchSnapshot, SnapshotApplyError, SnapshotFormatError, UnsupportedPatchState,
                                           decode)
 

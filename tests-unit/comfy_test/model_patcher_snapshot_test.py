@@ -20,7 +20,7 @@ from comfy.cli_args import args
 if not torch.cuda.is_available():
     args.cpu = True
 
-from comfy import model_patcher_snapshot, model_patcher_snapshot_codec as codec
+from comfy.model_patcher_snapshot import codec, snapshot
 from comfy.model_patcher_snapshot import (PatchSnapshot, SnapshotAck, SnapshotApplyError, SnapshotFormatError,
                                           SnapshotNotAcked, UnsupportedPatchState, decode, require_acks)
 
@@ -31,7 +31,7 @@ PREFIX = "diffusion_model."
 def _as_without_comfyui(monkeypatch):
     """Run as a process without ComfyUI: once the overlay tests loaded comfy.weight_adapter, capture
     would (rightly) refuse the stand-in adapters below as not being ComfyUI's registered classes."""
-    monkeypatch.setattr(model_patcher_snapshot, "_registered_adapters", lambda: None)
+    monkeypatch.setattr(snapshot, "_registered_adapters", lambda: None)
 
 
 class Adapter:

@@ -6,7 +6,7 @@ or a different program. Every message names the field, what was expected and wha
 
 import math
 
-from comfy.model_patcher_snapshot_codec import DTYPES, SCHEMA_VERSION, SnapshotFormatError, is_digest, tensor_name
+from .codec import DTYPES, SCHEMA_VERSION, SnapshotFormatError, is_digest, tensor_name
 
 _TOP = {
     "snapshot": {"schema", "kind", "force_cast_weights", "object_patches", "patches", "tensors"},

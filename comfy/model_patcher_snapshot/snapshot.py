@@ -1,16 +1,4 @@
-"""PatchSnapshot: the versioned, content-addressed patch state of a ModelPatcher, for worker processes.
-
-A worker that built the same base ModelPatcher (with rank 0's loader call) reproduces the
-downstream ModelPatcher from a snapshot alone, through ComfyUI's own patch API: no ModelPatcher
-internals and no pickle cross the process boundary.
-
-    snap = PatchSnapshot.capture(patcher, previous=last)      # rank 0
-    blob = snap.encode()             # or snap.diff(last).encode(): only the changed keys
-    ...
-    update = decode(blob)                                     # worker
-    snap = update if update.kind == "snapshot" else update.apply_to(held)
-    comfy.model_management.load_models_gpu([snap.to_patcher(base)])
-    require_acks(snap, acks, world_size)                      # rank 0, before denoising
+"""PatchSnapshot (capture, encode, diff, to_patcher) and SnapshotDelta, and the manifest they share.
 
 Capture reads only what a patcher exposes: ``patches``, ``patches_uuid``, ``object_patches``,
 ``force_cast_weights``, ``model_state_dict()`` keys, and (to refuse them) ``hook_patches``,
@@ -20,7 +8,7 @@ same class on the worker), ``("diff", (t,))`` with optional ``pad_weight``, ``("
 bare ``(t,)`` diff form, offsets, both strengths and chains of entries per key. Object patches on
 the diffusion model and everything else that cannot be replicated raise ``UnsupportedPatchState``.
 
-Manifest (canonical JSON, see ``model_patcher_snapshot_codec``)::
+Manifest (canonical JSON, see ``codec``)::
 
     {"schema": 2, "kind": "snapshot", "force_cast_weights": bool,
      "object_patches": {"manual_cast_dtype": null | "bfloat16" | ...},   (only when patched)
@@ -44,10 +32,10 @@ import sys
 
 import torch
 
-from comfy import model_patcher_snapshot_codec as codec
-from comfy.model_patcher_snapshot_apply import SnapshotAck, SnapshotApplyError, SnapshotNotAcked, require_acks  # noqa: F401
-from comfy.model_patcher_snapshot_codec import SnapshotFormatError
-from comfy.model_patcher_snapshot_validate import validate_manifest
+from . import codec
+from .acks import SnapshotApplyError
+from .codec import SnapshotFormatError
+from .validate import validate_manifest
 
 ADAPTER_NAMES = ("lora", "loha", "lokr", "glora", "oft", "boft")
 _DIT_PREFIX = "diffusion_model"
@@ -345,9 +333,9 @@ class PatchSnapshot:
 
     def load(self, base):
         """``to_patcher(base)`` loaded by ComfyUI's load_models_gpu, patch backups on the device when it has
-        room (``model_patcher_snapshot_load``) -> that clone."""
-        from comfy import model_patcher_snapshot_load
-        return model_patcher_snapshot_load.load(self, base)
+        room (``load``) -> that clone."""
+        from . import load
+        return load.load(self, base)
 
     @staticmethod
     def decode(data, max_bytes=None) -> "PatchSnapshot":

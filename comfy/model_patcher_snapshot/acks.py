@@ -5,7 +5,7 @@ that no denoising starts before every rank acknowledged the version rank 0 holds
 import dataclasses
 
 
-from comfy.model_patcher_snapshot_codec import is_digest
+from .codec import is_digest
 
 
 class SnapshotApplyError(RuntimeError):
