@@ -21,23 +21,9 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
 
 # -- denoise masks --------------------------------------------------------------------------------------
 
-def _edges_on_ranks(rank, world):
-    out, digests = {}, {}
-    for name in me.EDGES:
-        model, _ = un.build_model(un.ours(), {})
-        x, timestep, context, payload, masks, options = me.edge_inputs(name)
-        runner = rank_steps.RankRunner(model, rank, world)
-        options[SEQUENCE_PARALLEL_OPTION] = runner
-        video, audio = model(x, timestep, context, options, minimax_payload=payload, **masks)
-        digests[name] = runner.digests[-1]
-        if rank == 0:
-            out[f"{name}.video"], out[f"{name}.audio"] = video, audio
-    return dict(out, digests=digests)
-
-
 def _cases_and_edges_on_ranks(rank, world):
     cases = rank_steps.run_cases(rank, world, me.MASK_CASES)
-    edge = _edges_on_ranks(rank, world)
+    edge = rank_steps.run_edges(rank, world)
     return {**cases, **edge, "digests": {**cases["digests"], **edge["digests"]}}
 
 

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
+import mask_edges as me
 import upstream_newer as un
 from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.step_io import StepInputs
@@ -46,13 +47,11 @@ class RankRunner:
         return v, a
 
 
-def run_cases(rank, world, names):
-    """Each upstream_newer case (seeded model and inputs) through this rank's sharded forward ->
-    {"<case>.video" / "<case>.audio": rank 0's outputs, "digests": {case: plan digest}}."""
+def _run(rank, world, names, model_opts, inputs):
     out, digests = {}, {}
     for name in names:
-        model, _ = un.build_model(un.ours(), un.CASES[name][0])
-        x, timestep, context, payload, kwargs, options = un.case_inputs(name, model.dtype)
+        model, _ = un.build_model(un.ours(), model_opts(name))
+        x, timestep, context, payload, kwargs, options = inputs(name, model.dtype)
         runner = RankRunner(model, rank, world)
         options[SEQUENCE_PARALLEL_OPTION] = runner
         video, audio = model(x, timestep, context, options, minimax_payload=payload, **kwargs)
@@ -60,3 +59,14 @@ def run_cases(rank, world, names):
         if rank == 0:
             out[f"{name}.video"], out[f"{name}.audio"] = video, audio
     return dict(out, digests=digests)
+
+
+def run_cases(rank, world, names):
+    """Each upstream_newer case (seeded model and inputs) through this rank's sharded forward ->
+    {"<case>.video" / "<case>.audio": rank 0's outputs, "digests": {case: plan digest}}."""
+    return _run(rank, world, names, lambda name: un.CASES[name][0], un.case_inputs)
+
+
+def run_edges(rank, world):
+    """``run_cases`` for every mask_edges edge (its reference case's model, uniform masks)."""
+    return _run(rank, world, list(me.EDGES), lambda name: un.CASES[me.EDGES[name][0]][0], me.edge_inputs)
