@@ -24,7 +24,7 @@ from comfy_api.latest import ComfyExtension, io
 _RUNNERS = weakref.WeakKeyDictionary()
 
 
-def parse_devices(text):
+def devices_from_text(text):
     """'auto' -> every device ComfyUI sees; else a comma list such as 'cuda:0,cuda:1' (or 'cpu,cpu' on a CPU run)."""
     text = text.strip()
     if text == "auto":
@@ -118,7 +118,7 @@ class MiniMaxH3SequenceParallel(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, devices) -> io.NodeOutput:
-        return io.NodeOutput(attach(model, parse_devices(devices)))
+        return io.NodeOutput(attach(model, devices_from_text(devices)))
 
 
 class MiniMaxH3ParallelExtension(ComfyExtension):
