@@ -6,14 +6,13 @@ processes from it, so a call costs no interpreter start or import and no call se
 Nothing crosses a process boundary as pickle: requests and replies are JSON lines, the target is
 named as ``module:function``, results come back as safetensors (tensors) plus JSON (everything
 else), written by each rank into a folder the parent made. A rank that raises writes its traceback;
-the parent re-raises the first failure. A call that fails or times out kills the server with its
-ranks (one process group); the next call starts a new one.
+the parent re-raises the first failure. When ranks are still running after a failure's grace period
+or the timeout, the server is killed with its ranks (one process group); the next call starts a new one.
 """
 
 import atexit
 import datetime
 import importlib
-import importlib.util
 import json
 import os
 import select
