@@ -2,6 +2,7 @@
 a fresh process per rank and call forked from one rank server."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -105,10 +106,10 @@ def _report_then_hang(rank, world, folder):
     time.sleep(600)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the server learns of its parent's death by PR_SET_PDEATHSIG (Linux)")
 def test_a_killed_test_run_takes_its_rank_server_ranks_and_folder_along(tmp_path):
     # a test run killed with SIGKILL (no cleanup of its own) while its ranks run
     import subprocess
-    import sys
     here = os.path.dirname(os.path.abspath(__file__))
     driver = ("import rank_runner, rank_runner_test as t\n"
               f"rank_runner.run_ranks(t._report_then_hang, 2, kwargs={{'folder': {str(tmp_path)!r}}}, timeout=300)\n")
