@@ -18,6 +18,7 @@ from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
 from comfy.ldm.minimax_h3.step_io import StepInputs
 from comfy.ldm.minimax_h3.ulysses import sharded_forward
 
+
 class RankRunner:
     """The runner each rank's model calls; ``extra_options`` are added to the decoded options on every
     rank, as the workers add the attention override they select by name."""

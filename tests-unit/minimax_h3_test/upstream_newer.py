@@ -368,6 +368,21 @@ def upstream_path():
     return os.path.abspath(path) if os.path.isfile(path) else None
 
 
+def upstream_or_skip():
+    """The newer upstream module (``load_upstream`` of ``upstream_path()``), checked to be the reference's
+    file; skips the calling test, naming where to put that file, when there is none."""
+    import pytest
+    path = upstream_path()
+    if path is None:
+        pytest.skip(f"no newer upstream model.py: set {ENV} to {REFERENCE['source']} "
+                    f"(or put it at {os.path.normpath(DEFAULT_PATH)}) to re-run it against the reference")
+    module = load_upstream(path)
+    assert module.H3_SHA256 == REFERENCE["sha256"], (
+        f"{path} is not {REFERENCE['source']} (sha256 {module.H3_SHA256}); point {ENV} at that file, "
+        "or regenerate the data with upstream_newer.py after updating REFERENCE")
+    return module
+
+
 def generate(path, out=DATA):
     """Run every case through the upstream file at `path` and write the reference file."""
     from safetensors.torch import save_file
