@@ -75,8 +75,8 @@ def seeded_weights(model, seed=SEED):
     return out
 
 
-def build_model(model_opts, seed=SEED, operations=comfy.ops.disable_weight_init):
-    cfg = dict(TINY, adaln_curve_grid=model_opts.get("curve"), gate_compress=model_opts.get("gate_compress", False))
+def build_model(model_opts, seed=SEED, operations=comfy.ops.disable_weight_init, **config):
+    cfg = dict(TINY, adaln_curve_grid=model_opts.get("curve"), gate_compress=model_opts.get("gate_compress", False), **config)
     dtype = getattr(torch, model_opts.get("dtype", "float32"))
     model = MiniMaxH3Model(**cfg, dtype=dtype, operations=operations).requires_grad_(False)
     if model_opts.get("pdd_heads"):
