@@ -15,7 +15,7 @@ import torch
 
 import comfy.model_management
 import comfy.patcher_extension
-from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION, MiniMaxH3Model
+from comfy.ldm.minimax.model import MiniMaxH3Model
 from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel
 from comfy.parallel import headless
 from comfy_api.latest import ComfyExtension, io
@@ -33,10 +33,15 @@ def devices_from_text(text):
             raise ValueError(f"'auto' found {len(devices)} device(s) ({', '.join(devices) or 'none'}); sequence "
                              "parallelism needs at least 2 GPUs. List devices explicitly, e.g. 'cuda:0,cuda:1'")
         return devices
-    devices = [d.strip() for d in text.split(",") if d.strip()]
+    devices = [torch.device(d.strip()) for d in text.split(",") if d.strip()]
     if len(devices) < 2:
         raise ValueError(f"devices {text!r} names {len(devices)} device(s); give at least 2, e.g. 'cuda:0,cuda:1'")
-    return [str(torch.device(d)) for d in devices]
+    found = torch.cuda.device_count()
+    missing = [str(d) for d in devices if d.type == "cuda" and (d.index or 0) >= found]
+    if missing:
+        raise ValueError(f"devices {', '.join(missing)} do not exist: this machine has {found} CUDA GPU(s)"
+                         + (f" (cuda:0 to cuda:{found - 1})" if found else "") + "; list only GPUs it has")
+    return [str(d) for d in devices]
 
 
 def runner_for(model, devices):
@@ -91,10 +96,9 @@ def attach(model, devices):
             sp.close()
 
     m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, "minimax_h3_sequence_parallel", prepare_sampling)
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "minimax_h3_sequence_parallel", sp)
     m.add_callback(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, on_pre_run)
     m.add_callback(comfy.patcher_extension.CallbacksMP.ON_DETACH, on_detach)
-    to = m.model_options["transformer_options"] = m.model_options.get("transformer_options", {}).copy()
-    to[SEQUENCE_PARALLEL_OPTION] = sp
     return m
 
 

@@ -179,6 +179,7 @@ def controlnet_patches(model, control_latent, strength=0.7, seed=SEED):
                                   ffn_hidden_size=TINY["ffn_hidden_size"], time_embed_dim=TINY["time_embed_dim"],
                                   dtype=model.dtype, operations=comfy.ops.disable_weight_init).requires_grad_(False)
     control.load_state_dict(seeded_weights(control, seed + 1))
+    control.to(control_latent.device)
     state = {}
 
     def patch(args, extra):
@@ -191,12 +192,22 @@ def controlnet_patches(model, control_latent, strength=0.7, seed=SEED):
     return {("double_block", i): patch for i in control.injection_layers}
 
 
-def run_case(name, seed=SEED, model=None, transformer_options=None):
-    """[video, audio] of one case through MiniMaxH3Model.forward."""
+def to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def run_case(name, seed=SEED, model=None, transformer_options=None, device="cpu"):
+    """[video, audio] of one case through MiniMaxH3Model.forward (model and inputs on `device`)."""
     model_opts, opts = CASES[name]
     if model is None:
-        model = build_model(model_opts, seed)
-    x, timestep, context, payload, kwargs, options = case_inputs(name, model.dtype, seed)
+        model = build_model(model_opts, seed).to(device)
+    x, timestep, context, payload, kwargs, options = to_device(case_inputs(name, model.dtype, seed), device)
     if opts.get("block_patch"):
         options["patches_replace"] = {"dit": half_attention_patches(model)}
     if opts.get("controlnet"):

@@ -1,86 +1,107 @@
-"""H3 sequence parallelism on a comfy.parallel group of headless ComfyUI workers. Internal.
+"""MiniMax H3 sequence parallelism on a comfy.parallel group of headless ComfyUI workers.
 
-Workers build rank 0's base model with rank 0's loader call and hold its patch state (PatchSnapshots).
-Each step, rank 0 broadcasts the StepInputs once and the workers rebuild the plan rank 0's model built;
-a preflight proves plan, patch version and model set-up equal on every rank before any shard runs.
+Workers build rank 0's base model with rank 0's loader call and hold its patch state (patch
+snapshots). Each step, rank 0's DIFFUSION_MODEL wrapper sends the step's arguments once; every rank
+then runs MiniMaxH3Model._forward on its own rows with a UlyssesParallel in transformer_options,
+after a preflight has proven patch version and model set-up equal on every rank.
 """
 
-import contextlib
-import dataclasses
 import logging
 import threading
-import types
 
 import torch
 
-import comfy.ldm.modules.attention
 import comfy.model_management
-import comfy.model_patcher
-import comfy.ops
+import comfy.patcher_extension
 from comfy import model_patcher_snapshot as snapshots
+from comfy.ldm.minimax.model import PackedLayout
 from comfy.parallel import ParallelGroup, headless, register_op
 
-from . import kernels
-from .step_io import StepInputs
-from .ulysses import DEFAULT_CHUNKS, sharded_forward
+from .ulysses import UlyssesParallel
 
 OP_FORWARD = "minimax_h3.forward"
 OP_PATCHES = "minimax_h3.patches"
-# compared when the workers are ready; manual_cast_dtype follows the patch state (ModelComputeDtype)
-# and is compared every step instead
+SEQUENCE_PARALLEL = "minimax_h3_sequence_parallel"
+# transformer_options that change the numbers and are sent; the rest stays on rank 0
+SENT_OPTIONS = ("minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio", "sample_sigmas")
+TENSOR = "__tensor__"
+# compared once when the workers are ready; the patch state is compared every step
 SETUP_FIELDS = ("model_dtype", "patcher", "attention", "torch", "code_sha256", "weights_sha256")
 
 
-def worker_spec(call, settings):
-    return {"imports": [__name__], "setup": f"{__name__}:setup_worker", "setup_args": {"call": call}, "comfyui": settings}
+def encode_args(obj, path, tensors):
+    """A step argument -> JSON tree with its tensors named into `tensors`; refuses anything else by path."""
+    if isinstance(obj, torch.Tensor):
+        tensors[f"t{len(tensors)}"] = obj
+        return {TENSOR: f"t{len(tensors) - 1}"}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [encode_args(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        return {k: encode_args(v, f"{path}.{k}", tensors) for k, v in obj.items() if not isinstance(v, PackedLayout)}
+    raise ValueError(f"MiniMax H3 sequence parallelism cannot send {path} ({type(obj).__name__}) to the other GPUs: "
+                     "remove the node that adds it or run on one GPU")
+
+
+def decode_args(obj, tensors):
+    if isinstance(obj, dict):
+        if set(obj) == {TENSOR}:
+            return tensors[obj[TENSOR]]
+        return {k: decode_args(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_args(v, tensors) for v in obj]
+    return obj
 
 
 def setup_worker(ctx, call):
     """Worker start-up: rank 0's loader call builds the base model, held by a ModelPatcher."""
     base = headless.load(call)
-    ctx.state.update(base=base, patcher=base, model=base.model.diffusion_model, snapshot=snapshots.PatchSnapshot.empty(),
-                     describe=headless.describe(base))
+    ctx.state.update(base=base, patcher=base, snapshot=snapshots.PatchSnapshot.empty(), describe=headless.describe(base))
+    ctx.state["patch_version"] = ctx.state["snapshot"].version
     return {"setup": ctx.state["describe"]}
 
 
 @register_op(OP_PATCHES)
 def patches_op(ctx, tensors, meta):
-    """Bring this rank's ModelPatcher to the snapshot (or delta) sent; answer with an ack."""
+    """Bring this rank's ModelPatcher to the snapshot (or delta) sent, checked before anything is written."""
     target = meta["target"]
     if ctx.rank == 0:
         # rank 0 samples with the very ModelPatcher the snapshot was captured from
         ctx.state["patch_version"] = (target["lineage"], target["digest"])
-        return {}, {"ack": snapshots.SnapshotAck(0, target["lineage"], target["digest"], target["key_count"]).to_json()}
-    update = snapshots.decode(tensors["snapshot"].cpu().numpy().tobytes())
-    held, ctx.state["snapshot"] = ctx.state["snapshot"], None  # nothing a later delta could build on until this lands
-    snap = update if update.kind == "snapshot" else update.apply_to(held)
-    # ComfyUI's own merge (or DynamicVRAM's forward-time patches); backups stay on the GPU when it has room
-    patcher = snap.load(ctx.state["base"])
+        return {}, {"ack": snapshots.SnapshotAck(0, target["lineage"], target["digest"]).to_json()}
+    held = ctx.state["snapshot"]
+    try:
+        snap = snapshots.read(meta["manifest"], tensors).apply_to(held)
+        patcher = snap.to_patcher(ctx.state["base"], target["digest"])
+    except snapshots.SnapshotRefused as e:
+        logging.warning("MiniMax H3 sequence parallel rank %d: %s", ctx.rank, e)
+        return {}, {"ack": snapshots.SnapshotAck(ctx.rank, held.lineage, held.digest, refused=str(e)).to_json()}
+    comfy.model_management.load_models_gpu([patcher])
     ctx.state.update(patcher=patcher, snapshot=snap, patch_version=snap.version, describe=headless.describe(patcher))
-    return {}, {"ack": snapshots.SnapshotAck(ctx.rank, snap.lineage, snap.digest, snap.key_count).to_json()}
-
-
-def _attention_override(name):
-    """The override ModelPatcher.set_model_optimized_attention installs for a registered backend."""
-    holder = types.SimpleNamespace(model_options={"transformer_options": {}})
-    comfy.model_patcher.ModelPatcher.set_model_optimized_attention(holder, comfy.ldm.modules.attention.get_attention_function(name))
-    return holder.model_options["transformer_options"]["optimized_attention_override"]
+    return {}, {"ack": snapshots.SnapshotAck(ctx.rank, snap.lineage, snap.digest).to_json()}
 
 
 @register_op(OP_FORWARD)
 def forward_op(ctx, tensors, meta):
-    """One step's part on this rank; rank 0 gets the full (video, audio) target rows."""
-    model = ctx.state["model"]
-    inputs = StepInputs.decode(tensors, meta["step"])
-    if meta["attention"] is not None:
-        inputs.options["optimized_attention_override"] = _attention_override(meta["attention"])
-    # rank 0 runs the plan its model built for this step; the workers rebuild it from the same inputs
-    plan = ctx.state.pop("plan") if ctx.rank == 0 else model.plan(inputs)
-    # same plan, patch state and model set-up on every rank, checked before the first data collective
-    ctx.preflight(headless.digest([plan.digest(), list(ctx.state["patch_version"]), ctx.state["describe"]]))
-    with torch.no_grad():
-        v, a = sharded_forward(model, plan, inputs, ctx.rank, ctx.world_size, group=ctx.data_group, chunks=meta["chunks"])
-    return ({"video": v, "audio": a} if ctx.rank == 0 else {}), {}
+    """This rank's rows of one step; every rank ends with the full output, rank 0 returns it."""
+    ctx.preflight(headless.digest([list(ctx.state["patch_version"]), ctx.state["describe"]]))
+    if ctx.rank == 0:
+        run, model = ctx.state.pop("step"), ctx.state["model"]
+    else:
+        patcher = ctx.state["patcher"]
+        comfy.model_management.load_models_gpu([patcher])
+        model = patcher.model.diffusion_model
+        device = comfy.model_management.get_torch_device()
+        tensors = {k: t.to(device) for k, t in tensors.items()}
+        args = decode_args(meta["args"], tensors)
+
+        def run(options):
+            return model._forward(args["x"], args["timestep"], args["context"], options, **args["kwargs"])
+    sp = UlyssesParallel(ctx.rank, ctx.world_size, model.blocks[0].attn.heads, group=ctx.data_group)
+    options = dict(decode_args(meta["options"], tensors) if ctx.rank else ctx.state["options"], **{SEQUENCE_PARALLEL: sp})
+    video, audio = run(options)
+    return ({"video": video, "audio": audio} if ctx.rank == 0 else {}), {}
 
 
 class SequenceParallel:
@@ -89,17 +110,14 @@ class SequenceParallel:
     ``call``: ``headless.loader_call`` of the base ModelPatcher; ``settings``: ``headless.execution_settings()``.
     """
 
-    def __init__(self, devices, call, settings, timeouts=None, log_dir=None, name="minimax_h3", chunks=DEFAULT_CHUNKS):
+    def __init__(self, devices, call, settings, timeouts=None, name="minimax_h3"):
         if len(devices) < 2:
             raise ValueError(f"sequence parallelism needs at least 2 devices, got {devices}; use the model directly on one")
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks (all-to-all pipeline depth) must be an integer >= 1, got {chunks!r}")
-        self.chunks = chunks
         self.devices = list(devices)
-        self.spec = worker_spec(call, settings)
-        self.group = ParallelGroup(name, log_dir=log_dir, timeouts=timeouts)
-        self.synced = None  # PatchSnapshot every rank acked
-        self.last_sent = None  # describe() of the last update sync() sent; None when the last call sent nothing
+        self.spec = {"imports": [__name__], "setup": f"{__name__}:setup_worker", "setup_args": {"call": call}, "comfyui": settings}
+        self.group = ParallelGroup(name, timeouts=timeouts)
+        self.synced = None  # the PatchSnapshot every rank acked
+        self.last_sent = None  # describe() of the last update sync() sent; None when it sent nothing
         self.steps_run = 0
         self._rank0 = {}  # rank 0's ctx.state: no reference to a ModelPatcher, which would keep the base model alive
         self._background = None  # (patcher, thread, outcome) of prepare_in_background until prepare joins it
@@ -151,9 +169,9 @@ class SequenceParallel:
         if self.group.state not in ("idle", "closed"):
             self.group.close()
         model = patcher.model.diffusion_model
-        if self.world_size > model.num_heads:
-            raise ValueError(f"MiniMax H3 has {model.num_heads} attention heads; sequence parallelism supports at most "
-                             f"{model.num_heads} ranks")
+        heads = model.blocks[0].attn.heads
+        if self.world_size > heads:
+            raise ValueError(f"MiniMax H3 has {heads} attention heads; sequence parallelism supports at most {heads} ranks")
         self.synced = None
         self._rank0.update(model=model, patch_version=None)
         self.group.start(self.devices, self.spec, local_state=self._rank0)
@@ -168,70 +186,61 @@ class SequenceParallel:
     def sync(self, snapshot):
         """Make every rank hold ``snapshot`` (a delta when possible) and check their acks.
 
-        Until every ack is in, nothing counts as synced: a failed or cancelled sync is repaired by
-        the next one, which sends the full snapshot.
+        Until every ack is in, nothing counts as synced: a failed or refused sync is repaired by the
+        next one, which sends the full snapshot.
         """
         self.last_sent = None
         if self.synced is not None and self.synced.version == snapshot.version:
             return
         update = snapshot if self.synced is None else snapshot.diff(self.synced)
         self.synced, self.last_sent = None, update.describe()
-        blob = torch.frombuffer(bytearray(update.encode()), dtype=torch.uint8)
-        target = {"lineage": snapshot.lineage, "digest": snapshot.digest, "key_count": snapshot.key_count}
-        result = self.group.run(OP_PATCHES, {"snapshot": blob}, {"target": target})
+        target = {"lineage": snapshot.lineage, "digest": snapshot.digest}
+        result = self.group.run(OP_PATCHES, update.tensors, {"manifest": update.manifest, "target": target})
         snapshots.require_acks(snapshot, [snapshots.SnapshotAck.from_json(m["ack"]) for m in result.metas], self.world_size)
         self.synced = snapshot
         logging.info("MiniMax H3 sequence parallel: %d ranks hold patch snapshot %s (sent %s)", self.world_size,
                      snapshot.describe(), self.last_sent)
 
-    def __call__(self, plan, inputs):
-        """The runner MiniMaxH3Model._forward calls with the step's plan and StepInputs: -> full (video,
-        audio) fp32 target rows."""
+    def check(self, transformer_options, context, payload):
+        """Refuse, before anything is sent, what would run on rank 0's rows only or cannot be split."""
+        blocks = sorted(str(k) for k in transformer_options.get("patches_replace", {}).get("dit", {}))
+        wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
+        problems = [f"block patches {blocks}"] if blocks else []
+        if len(wrappers) > 1:
+            problems.append(f"{len(wrappers) - 1} other diffusion model wrapper(s)")
+        if "optimized_attention_override" in transformer_options:
+            problems.append("a per-model attention override (select the attention with ComfyUI's launch flags instead)")
+        if problems:
+            raise ValueError("MiniMax H3 sequence parallelism cannot run " + " and ".join(problems) +
+                             ": they would run on rank 0 only. Remove them or run on one GPU.")
+        layout = payload.get("layout")
+        if layout is not None and self.world_size > layout.seq_len:
+            raise ValueError(f"MiniMax H3 cannot split {layout.seq_len} packed rows over {self.world_size} GPUs: "
+                             f"use at most {layout.seq_len} devices")
+
+    def __call__(self, executor, x, timestep, context, transformer_options, **kwargs):
+        """The DIFFUSION_MODEL wrapper: one step on every rank -> rank 0's [video, audio] output."""
         if self.synced is None:
             raise snapshots.SnapshotNotAcked("no patch snapshot has been synced to the sequence-parallel ranks; "
                                              "call prepare() (the node does this before sampling) before running steps")
-        swapped = kernels.optimized_attention
-        if swapped is not comfy.ldm.modules.attention.optimized_attention:
-            raise ValueError(f"H3's attention function was replaced on rank 0 ({getattr(swapped, '__name__', swapped)!s}, e.g. by "
-                             "a custom node setting comfy.ldm.minimax.model.optimized_attention); the sequence-parallel workers "
-                             "cannot run it. Select the attention with ModelAttentionBackend or ComfyUI's attention flags, "
-                             "or run without the sequence-parallel node")
-        options = dict(inputs.options)
-        override = options.pop("optimized_attention_override", None)
-        tensors, step = dataclasses.replace(inputs, options=options).encode()
-        meta = {"step": step, "chunks": self.chunks,
-                "attention": headless.attention_name(override) if override is not None else None}
-        self._rank0["plan"] = plan
+        self.check(transformer_options, context, kwargs.get("minimax_payload") or {})
+        tensors = {}
+        args = encode_args({"x": list(x), "timestep": timestep, "context": context, "kwargs": kwargs}, "step", tensors)
+        options = encode_args({k: transformer_options[k] for k in SENT_OPTIONS if transformer_options.get(k) is not None},
+                              "transformer_options", tensors)
+        self._rank0["step"] = lambda options: executor(x, timestep, context, options, **kwargs)
+        self._rank0["options"] = transformer_options
         try:
-            with _interrupt_after_step():
-                result = self.group.run(OP_FORWARD, tensors, meta)
-                self.steps_run += 1
+            # rank 0's share runs to its end: an interrupt raised inside it would leave the other ranks in a collective
+            with comfy.model_management.defer_interrupt():
+                result = self.group.run(OP_FORWARD, tensors, {"args": args, "options": options})
+            self.steps_run += 1
         finally:
-            self._rank0.pop("plan", None)
-        return result.tensors["video"], result.tensors["audio"]
+            self._rank0.pop("step", None)
+            self._rank0.pop("options", None)
+        return [result.tensors["video"], result.tensors["audio"]]
 
     def close(self):
         self._join_background()
         self.group.close()
         self.synced = None
-
-
-@contextlib.contextmanager
-def _interrupt_after_step():
-    """Rank 0's share of a step runs to its end, then a pending interrupt is raised where ComfyUI expects it.
-
-    ComfyUI checks its interrupt flag in every op (comfy.ops.run_every_op); raised inside rank 0's
-    share it would leave the other ranks waiting in a collective rank 0 never joins, and only a
-    restart of every worker recovers from that. Deferred to the end of the step, the group stays ready.
-    """
-    check = comfy.ops.run_every_op
-    comfy.ops.run_every_op = _no_check
-    try:
-        yield
-    finally:
-        comfy.ops.run_every_op = check
-    comfy.model_management.throw_exception_if_processing_interrupted()
-
-
-def _no_check():
-    pass
