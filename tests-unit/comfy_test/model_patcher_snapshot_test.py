@@ -1,508 +1,346 @@
-"""PatchSnapshot without ComfyUI: capture, canonical encoding, tamper rejection, lineage, deltas, acks.
+"""Patch snapshots against ComfyUI's own patch path: a tiny MiniMax H3 model wrapped as ComfyUI wraps it, LoRAs through
+comfy.lora and add_patches, and every merged weight compared bit for bit with rank 0's own patch_model()."""
 
-The patcher and adapters here are stand-ins with the attributes ComfyUI's expose; what the worker
-does with a snapshot (``to_patcher`` and ComfyUI's own merge) is tested against the real
-ModelPatcher in model_patcher_snapshot_overlay_test.py. Expected values come from the stand-in's
-own tensors, the json and hashlib modules and hand-written numbers, never from the code under test.
-"""
-
-import hashlib
 import json
-import math
-import struct
-import uuid
 
 import pytest
 import torch
 
-from comfy.cli_args import args
+from comfy.cli_args import args as cli_args
 
 if not torch.cuda.is_available():
-    args.cpu = True
+    cli_args.cpu = True
 
-from comfy.model_patcher_snapshot import codec, snapshot
-from comfy.model_patcher_snapshot import (PatchSnapshot, SnapshotAck, SnapshotApplyError, SnapshotFormatError,
-                                          SnapshotNotAcked, UnsupportedPatchState, decode, require_acks)
+import comfy.hooks  # noqa: E402
+import comfy.lora  # noqa: E402
+import comfy.model_management  # noqa: E402
+import comfy.model_patcher  # noqa: E402
+import comfy.supported_models  # noqa: E402
+import comfy.weight_adapter  # noqa: E402
+from comfy import model_patcher_snapshot as snapshots  # noqa: E402
+from comfy.model_patcher_snapshot import (PatchSnapshot, SnapshotAck, SnapshotNotAcked, SnapshotRefused,  # noqa: E402
+                                          UnsupportedPatchState)
 
-PREFIX = "diffusion_model."
-
-
-@pytest.fixture(autouse=True)
-def _as_without_comfyui(monkeypatch):
-    """Run as a process without ComfyUI: once the overlay tests loaded comfy.weight_adapter, capture
-    would (rightly) refuse the stand-in adapters below as not being ComfyUI's registered classes."""
-    monkeypatch.setattr(snapshot, "_registered_adapters", lambda: None)
-
-
-class Adapter:
-    """Stand-in for a ComfyUI WeightAdapterBase: what capture reads is ``name`` and ``weights``."""
-
-    def __init__(self, name, weights):
-        self.name = name
-        self.weights = weights
-        self.loaded_keys = set()
+P = "diffusion_model."
+TINY = dict(image_model="minimax_h3", hidden_size=16, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2,
+            attention_head_dim=8, ffn_hidden_size=32, latents_dim=2, audio_latents_dim=3, text_dim=5, timestep_input_dim=8,
+            time_embed_hidden_size=16, time_embed_dim=8)
+LINEARS = {"attn.qkv_proj": (48, 16), "attn.out_proj": (16, 16), "mlp.fc1": (64, 16), "mlp.fc2": (16, 32)}
+CPU = torch.device("cpu")
 
 
-class Patcher:
-    """Stand-in for ModelPatcher with the same public attributes and add_patches semantics."""
-
-    def __init__(self, model):
-        self.model = model
-        self.patches = {}
-        self.patches_uuid = uuid.uuid4()
-        self.object_patches = {}
-        self.force_cast_weights = False
-        self.hook_patches = {}
-        self.weight_wrapper_patches = {}
-        self.injections = {}
-
-    def model_state_dict(self):
-        return {PREFIX + k: v for k, v in self.model.state_dict().items()}
-
-    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-        for k, v in patches.items():
-            key, offset, function = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
-            self.patches.setdefault(key, []).append((strength_patch, v, strength_model, offset, function))
-        self.patches_uuid = uuid.uuid4()
-
-
-def h3_linear_shapes(blocks=50, refiner=2, hidden=64, heads=4, head_dim=16, ffn=96):
-    """The 4 linears of every H3 DiT block and token-refiner block: 50 * 4 + 2 * 4 = 208 weights."""
-    inner = heads * head_dim
-    per_block = {"attn.qkv_proj": (3 * inner, hidden), "attn.out_proj": (hidden, inner),
-                 "mlp.fc1": (2 * ffn, hidden), "mlp.fc2": (hidden, ffn)}
-    return {f"{stack}.{i}.{lin}.weight": shape
-            for stack, n in (("blocks", blocks), ("token_refiner.blocks", refiner))
-            for i in range(n) for lin, shape in per_block.items()}
-
-
-def module_from_shapes(shapes, dtype, seed=0):
-    root = torch.nn.Module()
+def make_patcher(dtype=torch.float32, seed=0):
+    config = comfy.supported_models.MiniMaxH3(dict(TINY))
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({})
     g = torch.Generator().manual_seed(seed)
-    for name, shape in shapes.items():
-        owner = root
-        *path, leaf = name.split(".")
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, torch.nn.Module())
-            owner = getattr(owner, part)
-        owner.register_parameter(leaf, torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype), requires_grad=False))
-    return root
+    model.diffusion_model.load_state_dict({k: torch.randn(v.shape, generator=g) for k, v in model.diffusion_model.state_dict().items()})
+    model.diffusion_model.to(dtype)
+    model.requires_grad_(False)
+    return comfy.model_patcher.ModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 
-def h3_lora(shapes, rank=4, seed=1, dtype=torch.bfloat16):
+def lora_files(seed=1):
+    """A LoRA of every adapter family ComfyUI loads, and a second one on the attention linears, in on-disk key formats."""
     g = torch.Generator().manual_seed(seed)
-    return {PREFIX + k: Adapter("lora", (torch.randn(o, rank, generator=g).to(dtype), torch.randn(rank, i, generator=g).to(dtype),
-                                         float(rank * 2), None, None, None))
-            for k, (o, i) in shapes.items()}
+    r = lambda *s: (torch.randn(s, generator=g) * 0.1).to(torch.bfloat16)
+    main, turbo = {}, {}
+    for i in range(2):
+        for lin, (o, n) in LINEARS.items():
+            k = f"{P}blocks.{i}.{lin}"
+            main.update({f"{k}.lora_up.weight": r(o, 4), f"{k}.lora_down.weight": r(4, n), f"{k}.alpha": torch.tensor(2.0)})
+            if lin.startswith("attn"):
+                turbo.update({f"{k}.lora_B.weight": r(o, 2), f"{k}.lora_A.weight": r(2, n)})
+    ref = f"{P}token_refiner.blocks.0"
+    main.update({
+        f"{P}blocks.1.mlp.fc1.dora_scale": r(64, 1).abs() + 1,
+        f"{ref}.attn.qkv_proj.lora_B.weight": r(48, 2), f"{ref}.attn.qkv_proj.lora_A.weight": r(2, 16),
+        f"{ref}.attn.out_proj.oft_blocks": r(4, 4, 4),
+        f"{ref}.mlp.fc1.hada_w1_a": r(64, 2), f"{ref}.mlp.fc1.hada_w1_b": r(2, 16),
+        f"{ref}.mlp.fc1.hada_w2_a": r(64, 2), f"{ref}.mlp.fc1.hada_w2_b": r(2, 16), f"{ref}.mlp.fc1.alpha": torch.tensor(2.0),
+        f"{ref}.mlp.fc2.lokr_w1": r(4, 4), f"{ref}.mlp.fc2.lokr_w2": r(4, 8),
+        f"{P}blocks.0.norm1.diff": r(16), f"{P}final_layer.video_out.diff_b": r(8), f"{P}blocks.1.norm2.set_weight": r(16),
+    })
+    return main, turbo
 
 
-def every_form_patcher(order=1):
-    """One patcher holding every patch value form the schema carries; ``order`` reverses dict insertion."""
-    shapes = {"a.weight": (12, 8), "b.weight": (8, 8), "c.weight": (12, 8), "d.bias": (12,)}
-    model = module_from_shapes(shapes, torch.float32)
-    g = torch.Generator().manual_seed(7)
-    r = lambda *s, dt=torch.float32: torch.randn(s, generator=g).to(dt)
-    w = PREFIX + "a.weight"
-    patches = [  # (key or (key, offset), value, strength, strength_model)
-        (w, Adapter("lora", (r(12, 2, dt=torch.bfloat16), r(2, 8, dt=torch.bfloat16), 1.0, None, None, None)), 0.75, 1.0),
-        (w, Adapter("lora", (r(12, 2), r(2, 8), None, r(2, 2, 1, 1), r(12, 1), [12, 8])), 1.0, 0.5),
-        (w, ("diff", (r(12, 8, dt=torch.float16),)), -0.25, 1.0),
-        ((w, (0, 4, 4)), ("set", (r(4, 8),)), 1.0, 1.0),
-        (PREFIX + "b.weight", Adapter("loha", (r(8, 2), r(2, 8), 2, r(8, 2), r(2, 8), None, None, None)), 1.0, 1.0),
-        (PREFIX + "b.weight", Adapter("lokr", (r(2, 2), r(4, 4), 4.0, None, None, None, None, None, None)), 0.5, 1.0),
-        (PREFIX + "c.weight", Adapter("glora", (r(2, 8), r(12, 2), r(2, 8), r(12, 2), 3.0, None)), 1.0, 1.0),
-        (PREFIX + "c.weight", Adapter("oft", (r(3, 4, 4), r(12, 1, dt=torch.float8_e4m3fn), 1e-3, None)), 1.0, 1.0),
-        (PREFIX + "c.weight", Adapter("boft", (r(2, 3, 4, 4), None, 0, None)), 1.0, 1.0),
-        (PREFIX + "c.weight", ("diff", (r(16, 8), {"pad_weight": True})), 1.0, 1.0),
-        (PREFIX + "d.bias", (r(12, dt=torch.float64),), 2.0, 1.0),
-        (PREFIX + "d.bias", ("diff", (torch.zeros(0, 3),)), 0.0, 1.0),
-        (PREFIX + "d.bias", Adapter("lora", (r(12, 1), r(1, 1), torch.tensor(0.5), None, None, None)), 1.0, 1.0),
-    ]
-    by_key = {}
-    for k, v, s, sm in patches:
-        by_key.setdefault(k if isinstance(k, str) else k[0], []).append(({k: v}, s, sm))
-    p = Patcher(model)
-    for key in list(by_key)[::order]:
-        for d, s, sm in by_key[key]:
-            p.add_patches(d, s, sm)
-    p.object_patches = {"model_sampling": object(), "manual_cast_dtype": torch.bfloat16}
-    p.force_cast_weights = True
+def load(patcher, lora):
+    return comfy.lora.load_lora(lora, comfy.lora.model_lora_keys_unet(patcher.model, {}))
+
+
+def hand_patches():
+    """Patch forms no LoRA file gives, as add_patches calls: offsets into the fused qkv weight, the bare (tensor,) diff,
+    a padding diff, strength_model != 1 and a negative strength."""
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(s, generator=g) * 0.1
+    qkv0, qkv1 = f"{P}blocks.0.attn.qkv_proj.weight", f"{P}blocks.1.attn.qkv_proj.weight"
+    return [({(qkv0, (0, 16, 16)): ("diff", (r(16, 16),))}, 0.5, 1.0),
+            ({f"{P}blocks.1.attn.q_norm.weight": (r(8).half(),)}, 1.0, 1.0),
+            ({f"{P}blocks.1.attn.k_norm.weight": ("diff", (r(10), {"pad_weight": True}))}, 1.0, 1.0),
+            ({(qkv1, (0, 32, 16)): ("set", (r(16, 16).to(torch.bfloat16),))}, 1.0, 1.0),
+            ({qkv1: ("diff", (r(48, 16),))}, -0.5, 0.75)]
+
+
+def stack(base, main, turbo, strength=1.0, with_turbo=True):
+    p = base.clone()
+    p.add_patches(main, strength)
+    if with_turbo:
+        p.add_patches(turbo, 1.0, strength_model=0.9)
+    for patches, strength_patch, strength_model in hand_patches():
+        p.add_patches(patches, strength_patch, strength_model)
     return p
 
 
-def _same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and \
-        torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def _raw_bytes(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _meta(t):
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": hashlib.sha256(_raw_bytes(t)).hexdigest()}
-
-
-def _name(t):
-    """A tensor's schema name as documented: sha256 of its canonical {dtype, shape, sha256} JSON."""
-    return hashlib.sha256(json.dumps(_meta(t), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _slot_tensors(patcher):
-    """{(key, entry, slot): the patcher's own tensor} (slot 0 for diff/set)."""
-    out = {}
-    for key, entries in patcher.patches.items():
-        for i, (_, v, _, _, _) in enumerate(entries):
-            if isinstance(v, Adapter):
-                out.update({(key, i, j): w for j, w in enumerate(v.weights) if isinstance(w, torch.Tensor)})
-            else:
-                out[(key, i, 0)] = v[0] if len(v) == 1 else v[1][0]
+def merged(patcher):
+    """The diffusion model's weights after ComfyUI's patch_model(); the model is unpatched again afterwards."""
+    patcher.patch_model(device_to=CPU)
+    out = {k: v.clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
+    patcher.unpatch_model(device_to=CPU)
     return out
 
 
-def _source_tensors(patcher):
-    """{schema tensor name: the patcher's own tensor}"""
-    return {_name(t): t for t in _slot_tensors(patcher).values()}
+def bits(t):
+    return t.reshape(-1).view(torch.uint8)
 
 
-def _repack(blob, edit):
-    """Decode the framing, let ``edit`` change the manifest object, re-pack with a matching digest."""
-    envelope, manifest_raw, payload = codec.unpack(blob)
-    manifest = json.loads(manifest_raw)
-    edit(manifest)
-    raw = codec.canonical_json(manifest)
-    return codec.pack({**envelope, "digest": hashlib.sha256(raw).hexdigest()}, raw, bytes(payload))
+def assert_bitwise(got, expected):
+    assert got.keys() == expected.keys()
+    bad = [k for k in expected if got[k].dtype != expected[k].dtype or got[k].shape != expected[k].shape
+           or not torch.equal(bits(got[k]), bits(expected[k]))]
+    assert not bad, f"{len(bad)} weights differ from ComfyUI's patch_model(): {bad[:4]}"
 
 
-# ---------------------------------------------------------------------------------------------
-# encoding
+def weights(patcher):
+    return {k: v.clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
 
 
-def test_round_trip_is_bit_exact_for_every_form():
-    patcher = every_form_patcher()
-    snap = PatchSnapshot.capture(patcher)
-    blob = snap.encode()
-    # the bytes, read with this test's own framing parser, json and hashlib: the envelope claims
-    # lineage 1 and the sha256 of the manifest, which is canonical JSON committing to every tensor
-    m0, m1 = _manifest_span(blob)
-    raw = blob[m0:m1]
-    digest = hashlib.sha256(raw).hexdigest()
-    assert json.loads(blob[16:m0 - 8]) == {"digest": digest, "lineage": 1}
-    manifest = json.loads(raw)
-    assert raw == json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-    source = _source_tensors(patcher)
-    assert len(_slot_tensors(patcher)) == len(source) == 27 and sorted(manifest["tensors"]) == sorted(source)
-    for name, t in source.items():
-        assert manifest["tensors"][name] == _meta(t), name
-
-    back = PatchSnapshot.decode(blob)
-    assert back.version == snap.version == (1, digest)
-    assert back.encode() == blob
-    assert back.patches == manifest["patches"]
-    assert sorted(back.tensors) == sorted(source)
-    for name, t in source.items():
-        assert _same_bits(back.tensors[name], t), name
-    # the forms survive as the worker needs them: order, strengths, offsets, scalar types, flags
-    a = back.entries(PREFIX + "a.weight")
-    assert [(e["strength"], e["strength_model"], e["offset"]) for e in a] == \
-        [(0.75, 1.0, None), (1.0, 0.5, None), (-0.25, 1.0, None), (1.0, 1.0, [0, 4, 4])]
-    assert a[1]["value"]["weights"][2] is None and a[1]["value"]["weights"][5] == {"ints": [12, 8]}
-    assert back.entries(PREFIX + "b.weight")[0]["value"]["weights"][2] == {"int": 2}
-    pad_diff = _slot_tensors(patcher)[(PREFIX + "c.weight", 3, 0)]
-    assert back.entries(PREFIX + "c.weight")[3]["value"] == {"type": "diff", "tensor": _name(pad_diff), "pad_weight": True}
-    assert back.entries(PREFIX + "d.bias")[0]["value"]["type"] == "diff"
-    assert back.object_patches == {"manual_cast_dtype": "bfloat16"} and back.force_cast_weights is True
-    assert json.loads(json.dumps(back.describe()))["entries"] == {"lora": 3, "diff": 4, "set": 1, "loha": 1, "lokr": 1,
-                                                                   "glora": 1, "oft": 1, "boft": 1}
+def send(update):
+    """What a worker receives: the manifest through JSON, the tensors as tensors (copies, as a collective gives them)."""
+    return snapshots.read(json.loads(json.dumps(update.manifest)), {n: t.clone() for n, t in update.tensors.items()})
 
 
-def test_digest_ignores_dict_order():
-    a = PatchSnapshot.capture(every_form_patcher(order=1))
-    b = PatchSnapshot.capture(every_form_patcher(order=-1))
-    assert list(every_form_patcher(order=1).patches) == list(every_form_patcher(order=-1).patches)[::-1]
-    assert a.digest == b.digest and a.encode() == b.encode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_worker_merges_bit_for_bit_as_comfyui(dtype):
+    rank0, worker = make_patcher(dtype), make_patcher(dtype)
+    main, turbo = (load(rank0, f) for f in lora_files())
+    assert len(main) == 8 + 4 + 3  # the LoRA linears of 2 blocks, 4 refiner adapters, diff, diff_b, set
+    patched = stack(rank0, main, turbo)
+    expected = merged(patched)
+    base_weights = weights(worker)
+    assert any(not torch.equal(bits(expected[k]), bits(base_weights[k])) for k in expected)
+
+    snap = PatchSnapshot.capture(patched)
+    kinds = {next(iter(e[1])) for entries in snap.patches.values() for e in entries}
+    assert kinds == {"lora", "loha", "lokr", "oft", "diff", "set"}
+    got = send(snap).apply_to(PatchSnapshot.empty())
+    assert got.version == snap.version
+    clone = got.to_patcher(worker, snap.digest)
+    assert worker.patches == {}
+    assert_bitwise(merged(clone), expected)
+    assert_bitwise(weights(worker), base_weights)
 
 
-def _digest_in_child(rank, world):
-    snap = PatchSnapshot.capture(every_form_patcher(order=1 if rank == 0 else -1))
-    return {"digest": snap.digest, "blob_sha256": hashlib.sha256(snap.encode()).hexdigest()}
+def test_load_models_gpu_merges_as_patch_model():
+    rank0, worker = make_patcher(), make_patcher()
+    main, turbo = (load(rank0, f) for f in lora_files())
+    patched = stack(rank0, main, turbo)
+    expected = merged(patched)
+    snap = PatchSnapshot.capture(patched)
+    clone = send(snap).to_patcher(worker, snap.digest)
+    comfy.model_management.load_models_gpu([clone])
+    try:
+        assert_bitwise(weights(worker), expected)
+    finally:
+        comfy.model_management.unload_all_models()
 
 
-def test_digest_stable_across_processes(run_ranks):
-    here = PatchSnapshot.capture(every_form_patcher())
-    out = run_ranks(_digest_in_child, 2, process_group=False, timeout=120)
-    assert [o["digest"] for o in out] == [here.digest] * 2
-    assert [o["blob_sha256"] for o in out] == [hashlib.sha256(here.encode()).hexdigest()] * 2
+def test_encode_decode_round_trip():
+    rank0 = make_patcher()
+    main, turbo = (load(rank0, f) for f in lora_files())
+    snap = PatchSnapshot.capture(stack(rank0, main, turbo))
+    text, data = snap.encode()
+    back = snapshots.decode(text, data)
+    assert back.version == snap.version and back.patches == snap.patches
+    assert back.tensors.keys() == snap.tensors.keys()
+    assert all(torch.equal(bits(back.tensors[n]), bits(t.contiguous())) and back.tensors[n].dtype == t.dtype for n, t in snap.tensors.items())
+    assert all(snapshots.tensor_name(t) == n for n, t in back.tensors.items())
+    delta = PatchSnapshot.capture(stack(rank0, main, turbo, 0.5), previous=snap).diff(snap)
+    back_delta = snapshots.decode(*delta.encode())
+    assert back_delta.kind == "delta" and back_delta.apply_to(back).version == delta.version
 
 
-def _flip(blob, pos):
-    b = bytearray(blob)
-    b[pos] ^= 0x01
-    return bytes(b)
+def test_deltas_send_only_what_changed():
+    rank0, worker = make_patcher(), make_patcher()
+    main, turbo = (load(rank0, f) for f in lora_files())
+    first = PatchSnapshot.capture(stack(rank0, main, turbo, with_turbo=False))
+    held = send(first)
 
-
-def _manifest_span(blob):
-    (n_env,) = struct.unpack("<Q", blob[8:16])
-    start = 16 + n_env + 8
-    (n_man,) = struct.unpack("<Q", blob[16 + n_env:start])
-    return start, start + n_man
-
-
-def _first_name(manifest):
-    return manifest["patches"][PREFIX + "a.weight"][0]["value"]["weights"][0]["tensor"]
-
-
-def _rename_diff_tensor(manifest):
-    """The diff on a.weight renamed consistently in patches and tensors: a name that is not its content's."""
-    value = manifest["patches"][PREFIX + "a.weight"][2]["value"]
-    manifest["tensors"]["0" * 64] = manifest["tensors"].pop(value["tensor"])
-    value["tensor"] = "0" * 64
-
-
-@pytest.mark.parametrize("case, match", [
-    ("payload byte", "does not match its sha256"),
-    ("manifest byte", "does not match the digest"),
-    ("envelope digest", "does not match the digest"),
-    ("magic", "not a patch snapshot"),
-    ("truncated payload", "truncated or has trailing bytes"),
-    ("truncated manifest", "truncated inside the manifest"),
-    ("truncated header", "truncated before the envelope length"),
-    ("trailing bytes", "truncated or has trailing bytes"),
-    ("schema version", "schema version is 1, this ComfyUI reads version 2"),
-    ("unknown field", "expected an object with the fields"),
-    ("non-canonical json", "not in canonical form"),
-    ("payload dtype", "safetensors header does not match"),
-    ("manifest dtype", "expected the canonical tensor name '[0-9a-f]{64}' of its content"),
-    ("tensor name", r"a tensor name \(64 lowercase hex digits\), found 'x'"),
-    ("renamed tensor", "expected the canonical tensor name '[0-9a-f]{64}' of its content"),
-    ("unknown adapter", "expected one of"),
-    ("lineage", "envelope.lineage"),
-    ("not bytes", "expected bytes"),
-])
-def test_decode_rejects(case, match):
-    blob = PatchSnapshot.capture(every_form_patcher()).encode()
-    m0, m1 = _manifest_span(blob)
-    bad = {
-        "payload byte": lambda: _flip(blob, len(blob) - 3),
-        "manifest byte": lambda: _flip(blob, m0 + 40),
-        "envelope digest": lambda: codec.pack({"digest": "0" * 64, "lineage": 1}, blob[m0:m1], blob[m1:]),
-        "magic": lambda: b"PK\x03\x04" + blob[4:],
-        "truncated payload": lambda: blob[:-5],
-        "truncated manifest": lambda: blob[:m0 + 10],
-        "truncated header": lambda: blob[:12],
-        "trailing bytes": lambda: blob + b"\x00",
-        "schema version": lambda: _repack(blob, lambda m: m.update(schema=1)),
-        "unknown field": lambda: _repack(blob, lambda m: m.update(hooks=[])),
-        "non-canonical json": lambda: codec.pack({"digest": hashlib.sha256(blob[m0:m1] + b" ").hexdigest(), "lineage": 1},
-                                                 blob[m0:m1] + b" ", blob[m1:]),
-        # same length: the header's JSON stays valid, its bytes differ from the ones the manifest implies
-        "payload dtype": lambda: blob[:m1] + blob[m1:].replace(b'"BF16"', b'"F16" ', 1),
-        # the name commits to the dtype
-        "manifest dtype": lambda: _repack(blob, lambda m: m["tensors"][_first_name(m)].update(dtype="float16")),
-        "tensor name": lambda: _repack(blob, lambda m: m["patches"][PREFIX + "a.weight"][2]["value"].update(tensor="x")),
-        "renamed tensor": lambda: _repack(blob, _rename_diff_tensor),
-        "unknown adapter": lambda: _repack(blob, lambda m: m["patches"][PREFIX + "b.weight"][0]["value"].update(adapter="ia3")),
-        "lineage": lambda: codec.pack({"digest": hashlib.sha256(blob[m0:m1]).hexdigest(), "lineage": -1}, blob[m0:m1], blob[m1:]),
-        "not bytes": lambda: blob.decode("latin-1"),
-    }[case]()
-    with pytest.raises(SnapshotFormatError, match=match):
-        decode(bad)
-
-
-def test_decode_respects_size_limit_and_kind():
-    blob = PatchSnapshot.capture(every_form_patcher()).encode()
-    with pytest.raises(SnapshotFormatError, match="over the limit"):
-        decode(blob, max_bytes=len(blob) - 1)
-    empty = PatchSnapshot.empty()
-    delta = PatchSnapshot.capture(every_form_patcher()).diff(empty).encode()
-    with pytest.raises(SnapshotFormatError, match="expected a full snapshot, got a delta"):
-        PatchSnapshot.decode(delta)
-    assert decode(empty.encode()).digest == empty.digest
-
-
-# ---------------------------------------------------------------------------------------------
-# lineage / delta
-
-
-def _h3_setup(dtype=torch.bfloat16):
-    shapes = h3_linear_shapes()
-    model = module_from_shapes(shapes, dtype)
-    patcher = Patcher(model)
-    patcher.add_patches(h3_lora(shapes), 0.8)
-    return shapes, model, patcher
-
-
-def test_delta_carries_changed_keys_and_only_the_tensors_the_base_lacks():
-    shapes, _, patcher = _h3_setup()
-    assert len(shapes) == 208
-    first = PatchSnapshot.capture(patcher)
-    keys = sorted(patcher.patches)
-    changed, removed, extended = keys[:3], keys[3], PREFIX + "blocks.7.mlp.fc2.weight"
-    for k in changed:
-        s, v, sm, off, fn = patcher.patches[k][0]
-        patcher.patches[k] = [(0.3, v, sm, off, fn)]
-    del patcher.patches[removed]
-    patcher.add_patches({extended: ("diff", (torch.full(shapes["blocks.7.mlp.fc2.weight"], 0.5),))})
-    second = PatchSnapshot.capture(patcher, previous=first)
-    assert second.lineage == 2
+    # a strength change: numbers only
+    weaker = stack(rank0, main, turbo, 0.5, with_turbo=False)
+    second = PatchSnapshot.capture(weaker, previous=first)
     delta = second.diff(first)
-    blob = delta.encode()
-    assert sorted(delta.patches) == sorted(changed + [extended]) and delta.removed == [removed]
-    # the strength changes send numbers only; the one new entry sends its fp32 (64, 96) diff
-    assert sorted(delta.tensor_metas) == [_name(torch.full(shapes["blocks.7.mlp.fc2.weight"], 0.5))]
-    assert delta.describe()["tensor_bytes"] == 64 * 96 * 4
-    assert len(blob) < len(second.encode()) / 10
+    assert delta.tensors == {} and delta.removed == []
+    assert sorted(delta.patches) == sorted(main)
+    assert len(json.dumps(delta.manifest)) < len(json.dumps(first.manifest))
+    held = send(delta).apply_to(held)
+    assert held.version == second.version == (2, second.digest)
+    assert_bitwise(merged(held.to_patcher(worker, second.digest)), merged(weaker))
 
-    back = decode(blob).apply_to(first)
-    # the patcher as it is now, read independently of the delta: same digest, strengths, tensors
-    assert back.version == (2, second.digest) and back.key_count == 207
-    assert [back.entries(k)[0]["strength"] for k in changed] == [0.3] * 3 and removed not in back.keys()
-    assert [e["strength"] for e in back.entries(extended)] == [0.8, 1.0]
-    source = _source_tensors(patcher)
-    assert sorted(back.tensors) == sorted(source)
-    for name, t in source.items():
-        assert _same_bits(back.tensors[name], t), name
-    with pytest.raises(SnapshotApplyError, match="send the full snapshot"):
-        decode(blob).apply_to(second)
-    with pytest.raises(SnapshotApplyError, match="holds nothing applied; send the full snapshot"):
-        decode(blob).apply_to(None)
+    # a second LoRA: exactly its tensors
+    both = stack(rank0, main, turbo, 0.5)
+    third = PatchSnapshot.capture(both, previous=second)
+    delta = third.diff(second)
+    turbo_names = {snapshots.tensor_name(t) for v in turbo.values() for t in v.weights if isinstance(t, torch.Tensor)}
+    assert set(delta.tensors) == turbo_names and sorted(delta.patches) == sorted(turbo)
+    assert delta.describe()["tensor_bytes"] == sum(t.nbytes for v in turbo.values() for t in v.weights if isinstance(t, torch.Tensor))
+    held = send(delta).apply_to(held)
+    assert_bitwise(merged(held.to_patcher(worker, third.digest)), merged(both))
 
-
-def _slot_of(snap, key, i, j):
-    v = snap.entries(key)[i]["value"]
-    return snap.tensors[v["weights"][j]["tensor"] if v["type"] == "adapter" else v["tensor"]]
+    # everything removed: key names only
+    delta = PatchSnapshot.capture(rank0, previous=third).diff(third)
+    assert delta.tensors == {} and delta.patches == {} and delta.removed == sorted(third.patches)
+    held = send(delta).apply_to(held)
+    assert held.patches == {} and held.lineage == 4
+    assert_bitwise(merged(held.to_patcher(worker, held.digest)), weights(rank0))
 
 
-def test_removed_or_reordered_entries_send_no_tensor_bytes():
-    shapes = h3_linear_shapes()
-    model = module_from_shapes(shapes, torch.bfloat16)
-    lora_a, lora_b, lora_c = (h3_lora(shapes, seed=s) for s in (1, 2, 3))
-    factor_bytes = sum((o * 4 + 4 * i) * 2 for o, i in shapes.values())  # rank 4, bfloat16 up + down
-
-    def stack(*loras):
-        p = Patcher(model)
-        for lora, strength in loras:
-            p.add_patches(lora, strength)
-        return p
-
-    both = stack((lora_a, 0.8), (lora_b, 0.5))
-    first = PatchSnapshot.capture(both)
-    held = decode(first.encode())
-    # the same LoRA twice on a chain: its factors are one content and travel once
-    twice = PatchSnapshot.capture(stack((lora_a, 0.8), (lora_a, 0.3)))
-    assert len(twice.tensors) == 416 and twice.describe()["tensor_bytes"] == factor_bytes
-    cases = {"first entry removed": stack((lora_b, 0.5)), "entries swapped": stack((lora_b, 0.5), (lora_a, 0.8)),
-             "a third LoRA added": stack((lora_a, 0.8), (lora_b, 0.5), (lora_c, 1.0))}
-    for case, target in cases.items():
-        snap = PatchSnapshot.capture(target, previous=first)
-        delta = snap.diff(first)
-        # every key's chain changed, so every key travels; of the tensors only the third LoRA's are new
-        assert sorted(delta.patches) == sorted(target.patches) and delta.removed == [], case
-        expected = factor_bytes if case == "a third LoRA added" else 0
-        assert delta.describe()["tensor_bytes"] == expected and len(delta.tensors) == (416 if expected else 0), case
-        back = decode(delta.encode()).apply_to(held)
-        assert back.version == snap.version, case
-        for (key, i, j), t in _slot_tensors(target).items():
-            assert _same_bits(_slot_of(back, key, i, j), t), (case, key, i, j)
-        assert [e["strength"] for e in back.entries(PREFIX + "blocks.0.mlp.fc1.weight")] == \
-            [strength for strength, *_ in target.patches[PREFIX + "blocks.0.mlp.fc1.weight"]], case
+def test_capture_hashes_each_tensor_once_and_lineage_follows_content(monkeypatch):
+    rank0 = make_patcher()
+    main, turbo = (load(rank0, f) for f in lora_files())
+    patched = stack(rank0, main, turbo)
+    hashed = []
+    name = snapshots.tensor_name
+    monkeypatch.setattr(snapshots, "tensor_name", lambda t: hashed.append(t) or name(t))
+    first = PatchSnapshot.capture(patched)
+    assert len(hashed) == len(first.tensors) > 0
+    again = PatchSnapshot.capture(patched.clone(), previous=first)
+    assert len(hashed) == len(first.tensors)
+    assert again.version == first.version == (1, first.digest)
+    assert PatchSnapshot.capture(stack(rank0, main, turbo, 0.5), previous=again).lineage == 2
 
 
-def test_capture_lineage_follows_content():
-    _, _, patcher = _h3_setup()
-    a = PatchSnapshot.capture(patcher)
-    assert PatchSnapshot.capture(patcher, previous=a).version == a.version
-    # patches_uuid is the cache key, as for ComfyUI's own re-patching: same uuid, entries not re-read
-    stash = patcher.patches
-    patcher.patches = {}
-    assert PatchSnapshot.capture(patcher, previous=a).version == a.version
-    patcher.patches = stash
-    patcher.object_patches["manual_cast_dtype"] = torch.float16
-    b = PatchSnapshot.capture(patcher, previous=a)
-    assert b.lineage == 2 and b.digest != a.digest and b.diff(a).patches == {}
-    patcher.patches.clear()
-    patcher.object_patches.clear()
-    patcher.patches_uuid = uuid.uuid4()
-    c = PatchSnapshot.capture(patcher, previous=b)
-    assert (c.lineage, c.digest, c.key_count) == (3, PatchSnapshot.empty().digest, 0)
+def test_compute_dtype_and_outside_object_patches():
+    rank0, worker = make_patcher(), make_patcher()
+    patched = rank0.clone()
+    patched.set_model_compute_dtype(torch.float16)
+    patched.add_object_patch("model_sampling", rank0.get_model_object("model_sampling"))
+    snap = PatchSnapshot.capture(patched)
+    assert (snap.compute_dtype, snap.force_cast_weights, snap.patches) == ("float16", True, {})
+    clone = send(snap).to_patcher(worker, snap.digest)
+    assert (clone.get_model_object("manual_cast_dtype"), clone.force_cast_weights) == (torch.float16, True)
+    assert (worker.get_model_object("manual_cast_dtype"), worker.force_cast_weights) == (None, False)
 
 
-# ---------------------------------------------------------------------------------------------
-# refusals
+def test_capture_refuses_what_cannot_be_replicated_by_name():
+    rank0 = make_patcher()
+    main, _ = (load(rank0, f) for f in lora_files())
+    fc2, qkv, norm = f"{P}blocks.0.mlp.fc2.weight", f"{P}blocks.0.attn.qkv_proj.weight", f"{P}blocks.0.norm1.weight"
 
+    hooked = rank0.clone()
+    hooked.add_hook_patches(comfy.hooks.WeightHook(), {fc2: ("diff", (torch.ones(16, 32),))})
+    hooked.add_weight_wrapper(norm, lambda w: w)
+    hooked.add_object_patch(f"{P}final_layer", torch.nn.Identity())
+    with pytest.raises(ValueError, match=f"hook patch {fc2}, weight wrapper {norm}, object patch {P}final_layer"):
+        PatchSnapshot.capture(hooked)
 
-def test_every_unsupported_state_is_named():
-    model = module_from_shapes({f"k{i}.weight": (4, 4) for i in range(11)}, torch.float32)
-    p = Patcher(model)
-    t = torch.ones(4, 4)
+    bypass = rank0.clone()
+    manager = comfy.weight_adapter.BypassInjectionManager()
+    manager.add_adapter(fc2, main[fc2], strength=1.0)
+    bypass.set_injections("bypass_lora", manager.create_injections(bypass.model))
+    with pytest.raises(ValueError, match="injections bypass_lora"):
+        PatchSnapshot.capture(bypass)
 
-    class Quantized(torch.Tensor):
+    class TweakedLoRA(comfy.weight_adapter.LoRAAdapter):
         pass
 
-    p.add_patches({(PREFIX + "k0.weight", None, torch.relu): ("diff", (t,))})
-    p.add_patches({PREFIX + "missing.weight": ("diff", (t,))})
-    p.add_patches({PREFIX + "k1.weight": ("model_as_lora", (t,))})
-    p.add_patches({PREFIX + "k2.weight": [(t, lambda a, **kw: a)]})
-    p.add_patches({PREFIX + "k3.weight": Adapter("ia3", (t,))})
-    p.add_patches({PREFIX + "k4.weight": ("diff", (t,))}, strength_patch=math.nan)
-    p.add_patches({PREFIX + "k5.weight": ("diff", (t.as_subclass(Quantized),))})
-    p.add_patches({PREFIX + "k6.weight": ("diff", (t.to(torch.int32),))})
-    p.add_patches({PREFIX + "k7.weight": ("diff", (t, "pad"))})
-    p.add_patches({PREFIX + "k9.weight": ("diff", (t,))})
-    p.add_patches({PREFIX + "k10.weight": (t, t)})
-    p.hook_patches = {object(): {PREFIX + "k8.weight": [(1.0, ("diff", (t,)), 1.0, None, None)]}}
-    p.weight_wrapper_patches = {PREFIX + "k9.weight": [torch.relu]}
-    p.injections = {"bypass_lora": [object()], "unused": []}
-    p.object_patches = {"diffusion_model.blocks": torch.nn.Identity(), "model_sampling": object(), "manual_cast_dtype": torch.int8}
-    with pytest.raises(UnsupportedPatchState) as ei:
-        PatchSnapshot.capture(p)
-    reasons = dict(ei.value.problems)
-    expected = {
-        PREFIX + "k0.weight": "custom function relu",
-        PREFIX + "missing.weight": "the model has no such weight",
-        PREFIX + "k1.weight": "'model_as_lora' needs the original weights",
-        PREFIX + "k2.weight": "nested patch list",
-        PREFIX + "k3.weight": "adapter 'ia3' is not one this schema carries",
-        PREFIX + "k4.weight": "entry 0: strengths (nan, 1.0) are not finite Python numbers",
-        PREFIX + "k5.weight": "tensor of type Quantized",
-        PREFIX + "k6.weight": "dtype torch.int32",
-        PREFIX + "k7.weight": "lack a bool 'pad_weight'",
-        PREFIX + "k8.weight": "weight hook patch",
-        PREFIX + "k9.weight": "weight wrapper function",
-        PREFIX + "k10.weight": "pair whose first item is Tensor",
-        "injections[bypass_lora]": "patcher injection",
-        "diffusion_model.blocks": "object patch replaces Identity inside the diffusion model",
-        "manual_cast_dtype": "compute dtype torch.int8",
-    }
-    assert ei.value.keys == sorted(expected)
-    for key, why in expected.items():
-        assert why in reasons[key], (key, reasons[key])
-        assert key in str(ei.value)
+    other = make_patcher(seed=5)
+    bad = rank0.clone()
+    bad.add_patches({fc2: TweakedLoRA(set(), main[fc2].weights)})
+    bad.add_patches({(qkv, (0, 0, 16), lambda w: w * 2): ("diff", (torch.ones(16, 16),))})
+    bad.add_patches({f"{P}blocks.1.mlp.fc1.weight": ("model_as_lora", (torch.ones(64, 16),))})
+    bad.add_patches({k: v for k, v in other.get_key_patches(P).items() if k == f"{P}blocks.1.mlp.fc2.weight"})
+    bad.add_patches({f"{P}blocks.1.norm1.weight": ("set", (torch.ones(1, 16),))})
+    bad.add_patches({f"{P}blocks.1.norm2.weight": ("diff", (torch.ones(8),))})
+    with pytest.raises(UnsupportedPatchState) as e:
+        PatchSnapshot.capture(bad)
+    problems = dict(e.value.problems)
+    assert sorted(problems) == sorted([fc2, qkv, f"{P}blocks.1.mlp.fc1.weight", f"{P}blocks.1.mlp.fc2.weight",
+                                       f"{P}blocks.1.norm1.weight", f"{P}blocks.1.norm2.weight"])
+    assert "TweakedLoRA" in problems[fc2] and "weight function" in problems[qkv]
+    assert "'model_as_lora'" in problems[f"{P}blocks.1.mlp.fc1.weight"] and "merged model" in problems[f"{P}blocks.1.mlp.fc2.weight"]
+    assert problems[f"{P}blocks.1.norm1.weight"] == "set of shape [1, 16] on a weight of shape [16]"
+    assert problems[f"{P}blocks.1.norm2.weight"] == "diff of shape [8] on a weight of shape [16]"
 
 
-# ---------------------------------------------------------------------------------------------
-# acks
+def forged(update, edit):
+    """``update``'s manifest changed by ``edit`` as a worker would receive it: a snapshot whose own digest is consistent."""
+    manifest = json.loads(json.dumps(update.manifest))
+    edit(manifest)
+    return snapshots.read(manifest, dict(update.tensors))
 
 
-def test_acks_gate_on_every_rank_and_version():
-    _, _, patcher = _h3_setup()
-    snap = PatchSnapshot.capture(patcher)
-    # what each rank sends once its ModelPatcher holds snap, through JSON
-    sent = [SnapshotAck(r, snap.lineage, snap.digest, snap.key_count).to_json() for r in range(3)]
-    assert sent[1] == {"rank": 1, "lineage": 1, "digest": snap.digest, "key_count": 208}
-    acks = [SnapshotAck.from_json(json.loads(json.dumps(a))) for a in sent]
-    assert acks[1] == SnapshotAck(1, 1, snap.digest, 208)
-    require_acks(snap, acks, 3)
-    with pytest.raises(SnapshotNotAcked, match="rank 2: no ack"):
-        require_acks(snap, acks[:2], 3)
-    stale = SnapshotAck(2, 0, PatchSnapshot.empty().digest, 0)
-    with pytest.raises(SnapshotNotAcked, match="rank 2: acked version 0/"):
-        require_acks(snap, acks[:2] + [stale], 3)
-    with pytest.raises(SnapshotNotAcked, match="acked 207 patched keys"):
-        require_acks(snap, acks[:2] + [SnapshotAck(2, snap.lineage, snap.digest, 207)], 3)
-    with pytest.raises(SnapshotNotAcked, match=r"ranks \[3\] outside a world of 3"):
-        require_acks(snap, acks + [SnapshotAck(3, snap.lineage, snap.digest, 208)], 3)
-    for bad in ({"rank": 0}, {**acks[0].to_json(), "rank": True}, {**acks[0].to_json(), "digest": "abc"}):
-        with pytest.raises(ValueError, match="snapshot ack"):
-            SnapshotAck.from_json(bad)
+def move_key(manifest, new):
+    manifest["patches"][new] = manifest["patches"].pop(f"{P}blocks.1.mlp.fc1.weight")
+
+
+@pytest.mark.parametrize("case, announced, match", [
+    ("unknown key", "forged", f"patch of {P}blocks.7.mlp.fc1.weight refused: not a weight of this model"),
+    ("key outside the model", "forged", "patch of first_stage_model.decoder.weight refused: not a weight of this model"),
+    ("wrong-shape set", "forged", rf"patch of {P}blocks.1.norm2.weight refused: set of shape \[8\] on a weight of shape \[16\]"),
+    ("strength changed, digest recomputed", "rank 0", "received patch state [0-9a-f]{12}, rank 0 announced [0-9a-f]{12}"),
+    ("tensor changed in transit", "rank 0", f"tensor [0-9a-f]{{12}} of {P}blocks.0.mlp.fc2.weight does not match its content hash"),
+    ("delta on another version", "rank 0", "the patch delta updates version 2/"),
+])
+def test_worker_refuses_a_bad_snapshot_before_any_write(case, announced, match):
+    rank0, worker = make_patcher(), make_patcher()
+    main, turbo = (load(rank0, f) for f in lora_files())
+    good = stack(rank0, main, turbo)
+    first = PatchSnapshot.capture(good)
+    held = send(first)
+    loaded = held.to_patcher(worker, first.digest)
+    loaded.patch_model(device_to=CPU)
+    in_effect = weights(worker)
+    assert_bitwise(in_effect, merged(good))
+
+    weaker = stack(rank0, main, turbo, 0.5)
+    second = PatchSnapshot.capture(weaker, previous=first)
+    fc2 = f"{P}blocks.0.mlp.fc2.weight"
+    small = next(n for n, t in second.tensors.items() if list(t.shape) == [8])  # q_norm's diff
+    with pytest.raises(SnapshotRefused, match=match):
+        if case == "unknown key":
+            update = forged(second, lambda m: move_key(m, f"{P}blocks.7.mlp.fc1.weight"))
+        elif case == "key outside the model":
+            update = forged(second, lambda m: move_key(m, "first_stage_model.decoder.weight"))
+        elif case == "wrong-shape set":
+            update = forged(second, lambda m: m["patches"].update({f"{P}blocks.1.norm2.weight": [[1.0, {"set": small}, 1.0, None]]}))
+        elif case == "strength changed, digest recomputed":
+            update = forged(second, lambda m: m["patches"][fc2][0].__setitem__(0, 0.25))
+            assert update.digest != second.digest
+        elif case == "tensor changed in transit":
+            tensors = {n: t.clone() for n, t in second.tensors.items()}
+            tensors[second.patches[fc2][0][1]["lora"][0]["tensor"]][0, 0] += 1
+            update = snapshots.read(json.loads(json.dumps(second.manifest)), tensors)
+        else:
+            third = PatchSnapshot.capture(stack(rank0, main, turbo, 0.25), previous=second)
+            update = send(third.diff(second))
+        snap = update.apply_to(held)
+        snap.to_patcher(worker, snap.digest if announced == "forged" else second.digest)
+    assert worker.patches == {} and loaded.patches.keys() == first.patches.keys()
+    assert_bitwise(weights(worker), in_effect)
+
+    # the next good sync works
+    loaded.unpatch_model(device_to=CPU)
+    held = send(second.diff(first)).apply_to(held)
+    assert_bitwise(merged(held.to_patcher(worker, second.digest)), merged(weaker))
+
+
+def test_acks_name_every_rank_without_the_version():
+    rank0 = make_patcher()
+    main, _ = (load(rank0, f) for f in lora_files())
+    old = PatchSnapshot.capture(rank0)
+    snap = PatchSnapshot.capture(stack(rank0, main, {}, with_turbo=False), previous=old)
+    acks = [SnapshotAck(r, *snap.version) for r in range(3)]
+    snapshots.require_acks(snap, [SnapshotAck.from_json(json.loads(json.dumps(a.to_json()))) for a in acks], 3)
+    refused = SnapshotAck(2, *old.version, refused="patch of x refused: not a weight of this model")
+    with pytest.raises(SnapshotNotAcked, match=r"rank 1: no ack; rank 2 holds 1/[0-9a-f]{12} \(patch of x refused"):
+        snapshots.require_acks(snap, [acks[0], refused], 3)
