@@ -12,6 +12,7 @@ the output by more than 1e-3 (asserted), so the tolerance separates right from w
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -22,10 +23,10 @@ from comfy.cli_args import args
 if not torch.cuda.is_available():
     args.cpu = True
 
-from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
-from h3_files import TINY_CONFIG, lora_state_dict, step_inputs, write_h3_file
+import comfy.patcher_extension  # noqa: E402
+from h3_files import TINY_CONFIG, lora_state_dict, step_inputs, write_h3_file  # noqa: E402
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("linux_workers")]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the node's worker processes run on Linux")
 TOL = 1e-5
 
 
@@ -79,9 +80,10 @@ class Workflow:
         patcher.pre_run()
         x, t, c, p = step_inputs(TINY_CONFIG, "keyframes", seed=seed, height=5)
         c = c.to(patcher.model.get_dtype_inference())
+        # as sampling merges them (sampler_helpers.prepare_sampling): the patcher's wrappers in transformer_options
+        options = dict(patcher.model_options["transformer_options"], wrappers=patcher.wrappers)
         with torch.no_grad():
-            return patcher.model.diffusion_model(x, t, c, transformer_options=dict(patcher.model_options["transformer_options"]),
-                                                 minimax_payload=p)
+            return patcher.model.diffusion_model(x, t, c, transformer_options=options, minimax_payload=p)
 
 
 def _rel(a, b):
@@ -89,11 +91,11 @@ def _rel(a, b):
 
 
 def _runner(patcher):
-    return patcher.model_options["transformer_options"][SEQUENCE_PARALLEL_OPTION]
+    return patcher.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "minimax_h3_sequence_parallel")[0]
 
 
 @pytest.fixture
-def workflow(comfyui_patched, tmp_path, monkeypatch):
+def workflow(tmp_path, monkeypatch):
     import folder_paths
     for kind in ("diffusion_models", "loras"):
         (tmp_path / kind).mkdir()
@@ -152,14 +154,25 @@ def test_node_matches_the_workflow_without_it_for_every_weight_format(workflow, 
         assert _rel(out, first) > 1e-4, f"{name} computes exactly what the first format does: the format was not applied"
 
 
-def test_attention_backend_node_runs_on_every_rank(workflow):
+def test_a_per_model_attention_override_is_refused_before_anything_is_sent(workflow):
+    import comfy.model_management
     w = workflow
-    base = w.attention(w.unet("h3_fp32.safetensors"), "pytorch attention")
     node = w.attention(w.parallel(w.unet("h3_fp32.safetensors"), "cpu,cpu"), "pytorch attention")
+    sp = _runner(node)
     try:
-        assert _rel(w.step(node), w.step(base)) <= TOL
+        with pytest.raises(ValueError, match="per-model attention override"):
+            w.step(node)
+        assert sp.group.state == "ready" and sp.steps_run == 0
     finally:
-        _runner(node).close()
+        sp.close()
+        comfy.model_management.unload_all_models()
+
+
+def test_listing_more_gpus_than_the_machine_has_is_refused_before_any_process_starts(workflow, monkeypatch):
+    from comfy_extras import nodes_minimax_h3_parallel
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="devices cuda:1, cuda:2 do not exist: this machine has 1 CUDA GPU"):
+        nodes_minimax_h3_parallel.devices_from_text("cuda:0,cuda:1,cuda:2")
 
 
 def test_sampling_again_and_lora_edits_reuse_the_workers_and_unload_ends_them(workflow):
@@ -282,12 +295,12 @@ def test_workers_importing_other_model_code_are_refused_before_any_step(workflow
     """A worker whose sys.path finds another copy of the H3 package first (here: one changed module that
     the model's own module does not contain) is refused, naming the code."""
     import shutil
-    import comfy.ldm.minimax_h3
+    import comfy.ldm.minimax_h3.plan
     import comfy.model_management
-    package = os.path.dirname(comfy.ldm.minimax_h3.__file__)
+    package = os.path.dirname(comfy.ldm.minimax_h3.plan.__file__)
     skewed = tmp_path / "skewed" / "comfy" / "ldm" / "minimax_h3"
     shutil.copytree(package, skewed, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(skewed / "modules.py", "a") as f:
+    with open(skewed / "plan.py", "a") as f:
         f.write("\nSKEWED = True  # another version of this module\n")
     # first on sys.path, which the workers inherit in order (this process imported the package already)
     monkeypatch.syspath_prepend(str(tmp_path / "skewed"))
