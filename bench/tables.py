@@ -10,8 +10,8 @@ else in a target file stays byte-identical. What goes in depends on the file: RE
 README_TABLES, bench/README.md gets BENCH_TABLES (with the results index), any other file (the RFC's
 appendix) APPENDIX_TABLES. A target without the file or the markers is skipped with a message (README.md
 or bench/README.md under --check: that is a failure). A table whose JSON file or section is missing
-becomes a comment line, never a crash. The output depends only on the JSON files and on the code's
-default all-to-all pipeline depth (no clocks, no environment), so --check is reproducible.
+becomes a comment line, never a crash. The output depends only on the JSON files (no clocks, no environment, not
+the code's defaults), so --check is reproducible.
 Superseded runs live in bench/results/archive/ and are in no table.
 """
 
@@ -19,7 +19,6 @@ import argparse
 import difflib
 import fnmatch
 import json
-import ast
 import math
 import os
 import re
@@ -29,23 +28,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _ulysses_default_chunks():
-    # read from the source: importing the package needs ComfyUI, and the tables need only JSON
-    tree = ast.parse((ROOT / "comfy" / "ldm" / "minimax_h3" / "ulysses.py").read_text(encoding="utf-8"))
-    return next(node.value.value for node in tree.body if isinstance(node, ast.Assign)
-                and any(getattr(t, "id", None) == "DEFAULT_CHUNKS" for t in node.targets))
-
-
-DEFAULT_CHUNKS = _ulysses_default_chunks()  # the default the scaling table labels
+def run_chunks(found):
+    """The all-to-all pipeline depth the scaling runs timed with shared adaLN projections (the smallest
+    one their JSON holds): read from the results, so the tables depend on the JSON alone."""
+    depths = {int(m.group(1)) for _, _, sec in found for r in sec["resolutions"].values() for w in (r.get("worlds") or {}).values()
+              for k in (w.get("times") or {}) for m in [re.fullmatch(r"chunks(\d+)_bw\d+_shared_adaln", k)] if m}
+    if not depths:
+        raise Skip("no chunks<c>_bw<b>_shared_adaln timing")
+    return min(depths)
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
 BENCH_README = ROOT / "bench" / "README.md"
 BEGIN = "<!-- tables:begin -->"
 END = "<!-- tables:end -->"
-
-# the scaling targets of the issue (speed-up over one GPU at N GPUs)
-TARGETS = {2: 1.95, 4: 3.85, 8: 7.5}
 
 PLOT_NATIVE = "h3_native_step_time.png"
 PLOT_SCALING = "h3_sp_emulated_speedup.png"
@@ -62,6 +58,8 @@ H3_CPU_JSON = "h3_cpu_native.json"
 PARALLEL_JSON = "parallel_cpu.json"
 SNAPSHOT_JSON = "snapshot_cpu.json"
 PATCH_CHECK_JSON = "patch_check.json"
+INPROCESS_JSON = "h3_h200_inprocess.json"
+INPROCESS_RR_JSON = "h3_h200_inprocess_round_robin.json"
 
 # bench/README.md's index: results file (a glob) -> the command that writes it -> the question it answers.
 # --check fails on a JSON in bench/results/ that no entry matches, and on a named file that is missing
@@ -82,7 +80,7 @@ INDEX = (
      "Does attention on q|k|v buffer views, and cloning v as upstream does, change its time?"),
     (H3_PREP_JSONS[0], "`h3_sp_emulation.py --layers 2 --sections timeline,overlap --resolutions 832x480x124 --repeat 50 "
                        "--chunks \"\" --shared-chunks 2 --bandwidths 360 --no-unfused --upfront-ab --normal-priority-ab --last-rank`",
-     "How would the current code scale with N at 15k tokens (emulated on one GPU), and when does attention start?"),
+     "How would the Ulysses code of that run scale with N at 15k tokens (emulated on one GPU), and when does attention start?"),
     (H3_PREP_JSONS[1], "the same as the line above without `timeline`, `--resolutions 1344x768x124 --repeat 8`",
      "The same at 38k tokens."),
     (H3_BUDGET_JSON, "`h3_sp_budget.py --layers 2 --sections budget`; its `kernels` section: `h3_kernels.py --sections kernels`",
@@ -94,6 +92,14 @@ INDEX = (
     (SNAPSHOT_JSON, "`snapshot_bench.py`", "What do patch snapshots cost for a real-size H3 LoRA, and a worker's merge?"),
     (PATCH_CHECK_JSON, "`patches/check`", "Does the series apply to the base, pass our tests there, and regress none of ComfyUI's?"),
     ("lora_sync_*.json", "`lora_sync_bench.py`", "LoRA sync at H3 scale: is a LoRA change in force on every rank within a second?"),
+    (INPROCESS_JSON, "`h3_inprocess.py --check --cudnn-bar` (`COMFYUI_DIR`: the h3-newest base, upstream's own DiTBlock; run "
+                     "by the script's first revision, which took the same measurements without the second file's additions)",
+     "Can N Python threads in one process (core's MultiGPU design) keep N GPUs fed with H3 Ulysses, against one "
+     "thread and N processes (host side, on one GPU; all-to-alls emulated)?"),
+    (INPROCESS_RR_JSON, "`h3_inprocess.py --sections native,threads,graphs --native-reps 0 --no-free --round-robin --check "
+                        "--switch-intervals 0.0005,0.05`",
+     "The same again (a second run), plus one thread driving all N ranks in turn, the threads' CPU time and other GIL "
+     "switch intervals: is it the GIL?"),
 )
 
 
@@ -273,8 +279,22 @@ def t_index(results):
     return out
 
 
-NATIVE_BRIEF = ("resolution (WxHxF)", "tokens", "n", "upstream s", "ours s (cuDNN-first)", "ours / upstream",
-                "peak GiB (upstream / ours)", "rel diff upstream run-to-run", "rel diff ours cuDNN-first vs upstream")
+NATIVE_BRIEF = ("resolution (WxHxF)", "tokens", "n", "upstream s (flash-first)", "ours s (flash-first)",
+                "ours / upstream (both flash-first)", "peak GiB (upstream / ours)", "rel diff upstream run-to-run",
+                "rel diff ours flash-first vs upstream")
+
+
+def _attention_order_note(results):
+    """Upstream's own model, flash-first vs cuDNN-first, from the in-process run (same code, one run)."""
+    d = load(results, INPROCESS_JSON)
+    rows = [(res, r["native"]) for res, r in ((d or {}).get("resolutions") or {}).items()
+            if _num((r.get("native") or {}).get("step_s")) and _num((r.get("native") or {}).get("step_s_cudnn_first"))]
+    if not rows:
+        return []
+    parts = "; ".join(f"{res}: {f_s(n['step_s'])} s flash-first, {f_s(n['step_s_cudnn_first'])} s cuDNN-first "
+                      f"({f_ratio(n['step_s_cudnn_first'] / n['step_s'])})" for res, n in rows)
+    return [f"The attention order alone, on upstream's own model (the h3-newest base, `{INPROCESS_JSON}`, another run): {parts}. "
+            "So cuDNN-first attention speeds upstream up as much as ours; no row here compares ours with upstream across orders."]
 
 
 def t_native(results, brief=False):
@@ -284,29 +304,34 @@ def t_native(results, brief=False):
     if model:
         extra = (f"; {model.get('layers', '?')} blocks, {model.get('parameters', 0) / 1e9:.1f} B parameters, "
                  f"bf16 weights {model.get('weights_gib', '?')} GiB, random init")
-    out = [caption("H3 native forward (one step, batch 1) on one GPU, ours vs upstream.", H3_JSON, gpu_machine(d) + extra), ""]
-    header = ["resolution (WxHxF)", "tokens", "n", "upstream s", "ours s (cuDNN-first)", "ours s (flash-first)",
-              "ours s (unfused adaLN)", "ours / upstream", "flash-first / upstream", "peak GiB (upstream / ours)",
-              "rel diff upstream run-to-run", "rel diff ours flash-first vs upstream", "rel diff ours cuDNN-first vs upstream"]
+    out = [caption("H3 native forward (one step, batch 1) on one GPU, ours vs upstream in the same attention order "
+                   "(the base's, flash first).", H3_JSON, gpu_machine(d) + extra), ""]
+    header = ["resolution (WxHxF)", "tokens", "n", "upstream s (flash-first)", "ours s (flash-first)",
+              "ours / upstream (both flash-first)", "ours s (cuDNN-first)", "ours s (cuDNN-first, unfused adaLN)",
+              "fused / unfused adaLN (ours, cuDNN-first)", "peak GiB (upstream / ours)", "rel diff upstream run-to-run",
+              "rel diff ours flash-first vs upstream", "rel diff ours cuDNN-first vs upstream"]
     rows = []
     for res, r in native.items():
         up = best_median(r, "upstream")
-        ours = best_median(r, "ours")
+        cudnn = best_median(r, "ours")
         flash = (r.get("ours_flash") or {}).get("median_s")
-        ratio = r.get("ratio_ours_over_upstream", ours / up)
         ratio_flash = r.get("ratio_ours_flash_over_upstream", flash / up if _num(flash) else None)
         peaks = f"{fmt(r['upstream'].get('peak_gib'), 2)} / {fmt(r['ours'].get('peak_gib'), 2)}"
         unfused = (r.get("ours_unfused_adaln") or {}).get("median_s")
-        rows.append([res, f_int(r.get("tokens")), r["upstream"].get("n", "—"), f_s(up), f_s(ours), f_s(flash), f_s(unfused),
-                     f_ratio(ratio), f_ratio(ratio_flash), peaks,
+        rows.append([res, f_int(r.get("tokens")), r["upstream"].get("n", "—"), f_s(up), f_s(flash), f_ratio(ratio_flash),
+                     f_s(cudnn), f_s(unfused), f_ratio(cudnn / unfused) if _num(unfused) and unfused else "—", peaks,
                      f_sci(r.get("rel_diff_upstream_run_to_run")), f_sci(r.get("rel_diff_ours_flash_vs_upstream")),
                      f_sci(r.get("rel_diff_ours_cudnn_vs_upstream"))])
     out += table(header, rows, keep=NATIVE_BRIEF if brief else None)
-    out += ["", "Times: median of n timed forwards; upstream and ours (cuDNN-first) are the better of two interleaved "
-                "repeats, as the ratios use. Ours runs cuDNN-first attention and the fused RMSNorm + adaLN kernel"
-                + ("" if brief else "; the two ours columns beside it each undo one of them")
+    out += ["", "Times: median of n timed forwards (upstream: the better of two interleaved repeats). Both sides of the ratio "
+                "run the base's SDPA order, flash first; ours also runs the fused RMSNorm + adaLN kernel"
+                + ("" if brief else "; the cuDNN-first columns compare ours with ours only (no upstream run in that order "
+                                    "is in this file)")
                 + ". Rel diff: max |a - b| / max |b| over the video and audio outputs (upstream is not run-to-run "
                 "deterministic on CUDA)."]
+    note = _attention_order_note(results)
+    if note:
+        out += [""] + note
     return out
 
 
@@ -329,29 +354,26 @@ def _shared_worlds(r, c):
             yield n, w, bw[0]
 
 
-SCALING_BRIEF = ("resolution (WxHxF)", "tokens", "N", "emulated, no transfers", "emulated, rank 0", "emulated, last rank",
-                 "issue target (N GPUs)")
+SCALING_BRIEF = ("resolution (WxHxF)", "tokens", "N", "emulated, no transfers", "emulated, rank 0", "emulated, last rank")
 
 
 def t_scaling(results, brief=False):
     found = _runs(results, H3_PREP_JSONS)
-    c = DEFAULT_CHUNKS
+    c = run_chunks(found)
     header = ["resolution (WxHxF)", "tokens", "N", "blocks per timing", "emulated, no transfers", "emulated, rank 0",
-              "emulated, last rank", "emulated, rank 0, q/k normed up front", "emulated, rank 0, normal-priority transfers",
-              "issue target (N GPUs)"]
+              "emulated, last rank", "emulated, rank 0, q/k normed up front", "emulated, rank 0, normal-priority transfers"]
     rows, bws = [], set()
     for name, d, sec in found:
         for res, r in sec["resolutions"].items():
             for n, w, bw in _shared_worlds(r, c):
                 bws.add(bw)
                 key = f"chunks{c}_bw{bw}_shared_adaln"
-                target = TARGETS.get(n)
                 rows.append([res, f_int(r.get("tokens")), n, sec.get("repeat", "—"),
                              f_speedup(_speedup(w, f"chunks{c}_no_comm_shared_adaln")), f_speedup(_speedup(w, key)),
                              f_speedup(_speedup(w, key + "_last_rank")), f_speedup(_speedup(w, key + "_upfront")),
-                             f_speedup(_speedup(w, key + "_normal_priority")), f_speedup(target) if target else "—"])
+                             f_speedup(_speedup(w, key + "_normal_priority"))])
     bw_text = ", ".join(str(b) for b in sorted(bws))
-    out = [caption(f"Sequence-parallel scaling of the current code, EMULATED on one GPU: speed-up of a rank's DiT block "
+    out = [caption(f"Sequence-parallel scaling of the series' Ulysses code as of those runs, EMULATED on one GPU: speed-up of a rank's DiT block "
                    f"over the native block, all-to-alls replaced by stand-ins at {bw_text} GB/s ({c} chunks). No multi-GPU "
                    "measurement exists yet.", ", ".join(n for n, _, _ in found), gpu_machine(found[0][1])), ""]
     out += table(header, rows, keep=SCALING_BRIEF if brief else None)
@@ -359,8 +381,8 @@ def t_scaling(results, brief=False):
         return out + ["", "Emulated: one GPU runs one rank's block (S/N rows, ceil(56/N) heads) in the real `UlyssesAttention` "
                           "with only its all-to-alls replaced by a side-stream copy of the same bytes, paced to the bandwidth; "
                           "NCCL's own use of the SMs is not modelled. No transfers: the compute ceiling. Last rank: no text "
-                          "rows. Issue target: what the issue asks of N real GPUs, for reference only: an emulated speed-up is "
-                          "not a measurement on N GPUs. Method and the other columns: `bench/README.md`."]
+                          "rows. An emulated speed-up is not a measurement on N GPUs. Method and the other columns: "
+                          "`bench/README.md`."]
     notes = []
     timeline = (found[0][1].get("timeline") or {}).get("runs") or {}
     if timeline:
@@ -375,8 +397,7 @@ def t_scaling(results, brief=False):
                 "floor(S/N) rows and one modulation segment; every rank waits for the slowest at each all-to-all, so rank "
                 "0's number is the step's. A/B columns: every head's q/k normed before the first chunk is packed instead "
                 "of per chunk; the emulated transfers on a normal-priority stream, where the next chunk's kernels take the "
-                "SMs first. Issue target: what the issue asks of N real GPUs, for reference only: an emulated speed-up is not "
-                "a measurement on N GPUs. "
+                "SMs first. An emulated speed-up is not a measurement on N GPUs. "
                 + " ".join(notes) + f" Method (from the JSON): {found[0][2].get('note', '?')}."]
     return out
 
@@ -561,58 +582,40 @@ def t_snapshot(results):
     med = f", median of {d['median_of']}" if d.get("median_of") else ""
     machine = cpu_machine(d)
     out = [caption(f"Patch snapshot costs: {what}{med}.", SNAPSHOT_JSON, machine), ""]
-    rows = [["snapshot capture (hash every tensor)", f_s(snap.get("capture_s")), "—"],
-            ["snapshot encode (manifest + tensor bytes)", f_s(snap.get("encode_s")),
-             f"{f_bytes_exact(snap.get('bytes'))}, manifest {f_bytes(snap.get('manifest_bytes'))}"],
-            ["snapshot decode (verify hashes + digest)", f_s(snap.get("decode_s")), "—"]]
-    ts = d.get("torch_save_patches_dict") or {}
-    if ts:
-        rows += [["torch.save(ModelPatcher.patches) (pickle baseline)", f_s(ts.get("save_s")), f_bytes_exact(ts.get("bytes"))],
-                 ["torch.load(weights_only=False) (pickle baseline)", f_s(ts.get("load_s_weights_only_false")), "—"]]
-    delta = d.get("delta_strength_change_one_block") or {}
+    rows = [["snapshot capture (hash every tensor)", f_s(snap.get("capture_s")), f"manifest {f_bytes(snap.get('manifest_json_bytes'))}"],
+            ["capture again, with the previous snapshot's hashes", f_s(snap.get("capture_again_with_previous_s")), "—"],
+            ["worker read (hash every received tensor against its name)", f_s(snap.get("worker_read_s")), "—"]]
+    bp = d.get("bytes_path") or {}
+    if bp:
+        rows += [["to bytes (safetensors), for a worker in another process", f_s(bp.get("encode_s")), f_bytes_exact(bp.get("safetensors_bytes"))],
+                 ["from bytes", f_s(bp.get("decode_s")), "—"]]
+    delta = d.get("strength_change_one_block") or {}
     if delta:
         ck = f", {delta['changed_keys']} keys" if "changed_keys" in delta else ""
-        rows += [[f"delta after a strength change in one block: diff{ck}", f_s(delta.get("diff_s")), "—"],
-                 ["delta after a strength change in one block: encode", f_s(delta.get("encode_s")),
-                  f_bytes_exact(delta.get("bytes")) + (f", tensors {f_int(delta['tensor_bytes'])} B"
-                                                       if "tensor_bytes" in delta else "")]]
+        rows.append([f"strength change in one block: diff{ck}", f_s(delta.get("diff_s")),
+                     f"manifest {f_bytes(delta.get('manifest_json_bytes'))}, tensors {f_int(delta.get('tensor_bytes'))} B"])
     if lora:
         rows.append([f"LoRA payload ({lora.get('keys', '?')} keys, rank {lora.get('rank', '?')}, {lora.get('factor_dtype', '?')}, "
                      f"{lora.get('tensors', '?')} tensors)", "—", f_bytes_exact(lora.get("tensor_bytes"))])
     out += table(["step", "time s", "bytes"], rows)
-
-    ap = d.get("apply") or {}
-    pairs = []
-    for key in ap:
-        m = re.fullmatch(r"(.+)_s_measured", key)
-        if m:
-            ext = next((k for k in ap if re.fullmatch(re.escape(m.group(1)) + r"_s_extrapolated_(\d+)", k)), None)
-            pairs.append((m.group(1), key, ext))
-    if pairs:
-        n_ext = next((re.search(r"_(\d+)$", e).group(1) for _, _, e in pairs if e), "?")
-        labels = {"to_patcher": "snapshot.to_patcher(base): clone of the worker's base ModelPatcher + add_patches",
-                  "worker_patch_model": "worker: ComfyUI patch_model() of that clone (incl. backup copies)",
-                  "worker_strength_change": "worker: strength change (unpatch_model, delta.apply_to, to_patcher, patch_model)",
-                  "worker_unpatch_model": "worker: ComfyUI unpatch_model() (restore backups)",
-                  "comfyui_patch_model": "ComfyUI ModelPatcher.patch_model() (same patches, for scale)",
-                  "comfyui_unpatch_model": "ComfyUI ModelPatcher.unpatch_model() (for scale)"}
-        order = list(labels)
-        pairs.sort(key=lambda p: (order.index(p[0]) if p[0] in order else len(order), p[0]))
-        arith = f", {ap['arithmetic']} arithmetic" if ap.get("arithmetic") else ""
-        out += ["", caption(f"Patch snapshot apply on the worker side{arith}: measured on "
-                            f"{ap.get('measured_keys', '?')} keys, scaled to {n_ext}.", SNAPSHOT_JSON, machine), ""]
-        # the scaled figures are stored to 0.1 s: shown as stored
-        rows = [[labels.get(name, name), f_s(ap.get(meas)), fmt(ap.get(ext), 1) if ext else "—"] for name, meas, ext in pairs]
-        if "backup_bytes_measured" in ap:
-            rows.append(["backup of touched base weights (bytes)", f_bytes(ap.get("backup_bytes_measured")),
-                         f_bytes(ap.get(f"backup_bytes_{n_ext}"))])
-        out += table(["step", f"measured s ({ap.get('measured_keys', '?')} keys)", f"scaled s ({n_ext} keys)"], rows)
-    else:
-        out += ["", "<!-- snapshot apply table skipped: no 'apply' section -->"]
+    w = d.get("worker") or {}
+    ext_key = next((k for k in w if re.fullmatch(r"extrapolated_\d+", k)), None)
+    if w:
+        n_ext = ext_key.split("_")[1] if ext_key else "?"
+        ext = w.get(ext_key) or {}
+        labels = (("worker_to_patcher_s", "worker: to_patcher (digest, keys and shapes checked; base ModelPatcher cloned, add_patches)"),
+                  ("worker_patch_model_s", "worker: ComfyUI patch_model() of that clone"),
+                  ("rank0_patch_model_s", "rank 0: ComfyUI patch_model() of the same patches, for scale"),
+                  ("worker_strength_change_read_apply_s", "worker: strength change, read and apply"))
+        out += ["", caption(f"Patch snapshot on the worker side: measured on {w.get('measured_keys', '?')} keys, scaled to {n_ext}.",
+                            SNAPSHOT_JSON, machine), ""]
+        out += table(["step", f"measured s ({w.get('measured_keys', '?')} keys)", f"scaled s ({n_ext} keys)"],
+                     [[label, f_s(w.get(key)), fmt(ext.get(key), 1) if key in ext else "—"] for key, label in labels if key in w])
+        if "worker_matches_rank0_patch_model" in w:
+            out += ["", f"The worker's merged weights equal rank 0's patch_model() bit for bit: {w['worker_matches_rank0_patch_model']}."]
     notes = d.get("notes") or []
-    page = next((n for n in notes if "page fault" in n), None)
-    if page:
-        out += ["", f"Note (from the JSON): {page}."]
+    if notes:
+        out += ["", "Notes (from the JSON): " + "; ".join(notes) + "."]
     return out
 
 
@@ -716,6 +719,99 @@ LORA_JSON = "lora_sync_h200.json"
 LORA_STEPS = (("first_load", "LoRA load"), ("strength_change", "strength 1.0 -> 0.5"), ("swap", "LoRA swap"), ("clear", "clear"))
 
 
+def _ms(x):
+    return fmt(x * 1e3, 0) if _num(x) else "—"
+
+
+def _two(a, b):
+    """A value of the first run and of the second ("a / b"), or the one there is."""
+    return " / ".join(_ms(v) for v in (a, b) if _num(v)) or "—"
+
+
+def t_inprocess(results):
+    d, sec = _section(results, INPROCESS_JSON, "resolutions")
+    d2 = load(results, INPROCESS_RR_JSON) or {}
+    rr = d2.get("resolutions") or {}
+    default_interval = (d2.get("machine") or {}).get("gil_switch_interval_s")
+    procs = ((d.get("processes") or {}).get("results")) or {}
+    header = ["resolution (WxHxF)", "tokens", "N", "bar: native step / N", "one rank, one thread", "N processes, per rank (max)",
+              "N threads", "bar / N threads", "one thread, N ranks in turn", "N threads, CUDA graphs", "bar / N threads, graphs",
+              "one thread in turn, graphs", "GPU busy with N threads (projected)"]
+    rows, checks, idle, cpu, switch = [], [], [], [], []
+    for res, r in sec.items():
+        step = (r.get("native") or {}).get("step_s")
+        for n, w in _worlds(r):
+            w2 = ((rr.get(res) or {}).get("worlds") or {}).get(str(n)) or {}
+            bar = step / n if _num(step) else None
+            solo, solo2 = (w.get("solo") or {}), (w2.get("solo") or {})
+            thr, thr2 = (w.get("threads") or {}), (w2.get("threads") or {})
+            gr, gr2 = (w.get("graphs") or {}), (w2.get("graphs") or {})
+            p = (procs.get(res) or {}).get(str(n)) or {}
+            worst = max((v for v in (thr.get("host_group_per_step_s"), thr2.get("host_group_per_step_s")) if _num(v)), default=None)
+            worst_g = max((v for v in (gr.get("host_group_per_step_s"), gr2.get("host_group_per_step_s")) if _num(v)), default=None)
+            rank_gpu = solo.get("rank_step_s")
+            busy = min(1.0, rank_gpu / worst) if _num(rank_gpu) and _num(worst) and worst else None
+            rows.append([res, f_int(r.get("tokens")), n, _ms(bar), _two(solo.get("host_per_rank_step_s"), solo2.get("host_per_rank_step_s")),
+                         f"{_ms(p.get('per_rank_median_s'))} ({_ms(max(p['per_rank_s']))})" if p.get("per_rank_s") else "—",
+                         _two(thr.get("host_group_per_step_s"), thr2.get("host_group_per_step_s")),
+                         f_speedup(bar / worst) if _num(bar) and _num(worst) else "—",
+                         _ms((w2.get("round_robin") or {}).get("host_group_per_step_s")),
+                         _two(gr.get("host_group_per_step_s"), gr2.get("host_group_per_step_s")),
+                         f_speedup(bar / worst_g) if _num(bar) and _num(worst_g) else "—",
+                         _ms(gr2.get("round_robin_host_group_per_step_s")), f"{busy * 100:.0f}%" if _num(busy) else "—"])
+            diffs = [w.get("check_rel_diff_vs_native_2_blocks"), gr.get("check_rel_diff_vs_eager_threads"),
+                     (w2.get("round_robin") or {}).get("check_rel_diff_vs_threads"), gr2.get("round_robin_check_rel_diff_vs_eager_threads")]
+            checks += [v for v in diffs if _num(v)]
+            if _num(thr.get("free_step_wall_s")) and _num(gr.get("free_step_wall_s")):
+                idle.append(f"{res} N = {n}: {f_s(thr['free_step_wall_s'])} s vs {f_s(gr['free_step_wall_s'])} s")
+            if _num(thr2.get("cpu_per_rank_step_s")) and _num(solo2.get("cpu_per_rank_step_s")):
+                cpu.append(f"{res} N = {n}: {_ms(thr2['cpu_per_rank_step_s'])} vs {_ms(solo2['cpu_per_rank_step_s'])}")
+            if thr2.get("switch_interval"):
+                vals = {float(k): v.get("host_group_per_step_s") for k, v in thr2["switch_interval"].items()}
+                if _num(default_interval):
+                    vals[default_interval] = thr2.get("host_group_per_step_s")
+                switch.append(f"{res} N = {n}: " + ", ".join(f"{k * 1e3:g} ms: {_ms(vals[k])}" for k in sorted(vals)))
+    names = INPROCESS_JSON + (f", {INPROCESS_RR_JSON}" if rr else "")
+    out = [caption("The in-process alternative (core's MultiGPU design: one Python thread per GPU in one process) for H3 "
+                   "Ulysses, measured on ONE GPU: host time to enqueue one step's share on every GPU, ms per step (50 blocks), "
+                   "against one GPU's share of the native step. All-to-alls EMULATED; keeping N GPUs fed is a projection: "
+                   "no multi-GPU measurement exists yet.", names, gpu_machine(d)), ""]
+    out += table(header, rows)
+    m = d.get("machine") or {}
+    out += ["", "Bar: upstream's native step on one GPU (flash-first, its default order) / N, what one GPU computes per step. "
+                "Host times are enqueue times, measured block by block with the GPU idle at each block's start, summed over "
+                "the step; the N threads' time runs from the first thread's start to the last one's end of each block (what "
+                "feeds all N GPUs), and cells with two values are two runs (the second file). bar / host above 1: the host "
+                "keeps N GPUs fed, by that margin (the worse run); below 1 the GPUs wait. Processes skip the host exchange "
+                "(NCCL moves the bytes without the host). One thread in turn: one Python thread drives every rank, each "
+                "rank's block a generator yielding at its exchanges: no barrier, no GIL hand-off. Graphs: each rank's step "
+                "captured as 101 CUDA graphs cut at its 100 exchanges (the peer copies inside, barriers and events between). "
+                "GPU busy: one rank's step alone on the GPU over the N threads' host time. "
+                f"Python {m.get('python', '?')} with the GIL, switch interval {fmt((m.get('gil_switch_interval_s') or 0) * 1e3, 0)} ms, "
+                f"{m.get('cpus', '?')} CPU cores."]
+    notes = []
+    cudnn = [(res, r["native"]["step_s_cudnn_first"]) for res, r in sec.items() if _num((r.get("native") or {}).get("step_s_cudnn_first"))]
+    if cudnn:
+        notes.append("with cuDNN-first attention the native step is shorter and the bar lower: " + "; ".join(
+            f"{res} {f_s(t)} s, bar " + " / ".join(_ms(t / n) for n, _ in _worlds(sec[res])) + " ms at N = "
+            + " / ".join(str(n) for n, _ in _worlds(sec[res])) for res, t in cudnn))
+    if checks:
+        same = "bitwise equal" if max(checks) == 0 else f"max relative difference {f_sci(max(checks))}"
+        notes.append(f"checks: the sharded blocks (threads, round robin, graphs) against the native blocks (2) and against each "
+                     f"other (the whole step): {same} in all {len(checks)} comparisons")
+    if cpu:
+        notes.append("the threads' CPU time per rank-step (ms) vs one rank alone, where wall time is far higher: " + "; ".join(cpu))
+    if switch:
+        notes.append("N threads at other GIL switch intervals: " + "; ".join(switch))
+    if idle:
+        notes.append("the one shared GPU's wall time per step with N eager threads vs the same step from CUDA graphs "
+                     "(its idle time is the difference): " + "; ".join(idle))
+    if notes:
+        out += ["", ". ".join(n[0].upper() + n[1:] for n in notes) + "."]
+    out += ["", f"Method (from the JSON): {d.get('method', '?')}"]
+    return out
+
+
 def t_lora_sync(results):
     """A LoRA change on a worker (GPU backups, ComfyUI's arithmetic) beside ComfyUI's default path (rank 0)."""
     r = load(results, LORA_JSON)
@@ -770,10 +866,12 @@ SECTIONS = {  # name: (title in a skipped-table comment, function of the results
     "snapshot": ("patch snapshot costs", t_snapshot),
     "lora_sync": ("LoRA sync at H3 scale", t_lora_sync),
     "patch_check": ("patch check", t_patch_check),
+    "inprocess": ("in-process threads vs processes", t_inprocess),
 }
 README_TABLES = ("native_brief", "scaling_brief")
-APPENDIX_TABLES = ("native", "cpu_native", "accuracy", "scaling", "budget", "parallel", "snapshot", "lora_sync", "patch_check")
-BENCH_TABLES = ("index", "native", "cpu_native", "accuracy", "scaling", "budget", "fusions", "segments", "kernels",
+APPENDIX_TABLES = ("native", "cpu_native", "accuracy", "scaling", "budget", "inprocess", "parallel", "snapshot", "lora_sync",
+                   "patch_check")
+BENCH_TABLES = ("index", "native", "cpu_native", "accuracy", "scaling", "budget", "inprocess", "fusions", "segments", "kernels",
                 "attention_ab", "parallel", "snapshot", "lora_sync", "patch_check")
 
 
@@ -790,7 +888,7 @@ def tables_for(path):
 def plot_links(results, target_dir):
     """Markdown images for the plots whose data exists, relative to the file they go into."""
     links = []
-    for alt, name, have in (("H3 native forward, ours vs upstream", PLOT_NATIVE, lambda: _section(results, H3_JSON, "native")),
+    for alt, name, have in (("H3 native forward, ours vs upstream, both flash-first", PLOT_NATIVE, lambda: _section(results, H3_JSON, "native")),
                             ("sequence-parallel speed-up vs N, emulated on one GPU", PLOT_SCALING,
                              lambda: _runs(results, H3_PREP_JSONS))):
         try:
@@ -892,9 +990,9 @@ def make_plots(results=RESULTS):
     else:
         machine = gpu_machine(d).split(" (run started")[0]
         res_names = list(native)
-        series = [("upstream", [best_median(native[r], "upstream") for r in res_names], "#7f7f7f"),
-                  ("ours, flash-first", [native[r]["ours_flash"]["median_s"] for r in res_names], "#9ecae1"),
-                  ("ours, cuDNN-first", [best_median(native[r], "ours") for r in res_names], "#1f77b4")]
+        # like for like only: both in the base's attention order (flash first)
+        series = [("upstream, flash-first", [best_median(native[r], "upstream") for r in res_names], "#7f7f7f"),
+                  ("ours, flash-first", [native[r]["ours_flash"]["median_s"] for r in res_names], "#1f77b4")]
         fig, ax = plt.subplots(figsize=(9, 5.2))
         width = 0.8 / len(series)
         for i, (label, vals, color) in enumerate(series):
@@ -906,7 +1004,8 @@ def make_plots(results=RESULTS):
         ax.set_ylabel("forward time per step (s, median)")
         ax.set_xlabel("resolution (W x H x frames)")
         layers = (d.get("model") or {}).get("layers")
-        ax.set_title(f"MiniMax H3 native forward{f' ({layers} blocks, bf16)' if layers else ''}, one GPU\n{machine}", fontsize=11)
+        ax.set_title(f"MiniMax H3 native forward{f' ({layers} blocks, bf16)' if layers else ''}, one GPU, same attention order"
+                     f"\n{machine}", fontsize=11)
         ax.legend(fontsize=9, loc="upper left")
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
@@ -925,7 +1024,7 @@ def make_plots(results=RESULTS):
         # top row: speed-up (log-log, so the ideal is a straight line); bottom row: speed-up / N, where the gaps show
         fig, axes = plt.subplots(2, len(panels), figsize=(5.4 * len(panels), 8.4), sharex=True, sharey="row", squeeze=False,
                                  gridspec_kw={"height_ratios": [3, 2]})
-        c = DEFAULT_CHUNKS
+        c = run_chunks(found)
         for col, (res, r, repeat) in enumerate(panels):
             worlds = [(n, w, bw) for n, w, bw in _shared_worlds(r, c)]
             ns = [1] + [n for n, _, _ in worlds]
@@ -933,14 +1032,11 @@ def make_plots(results=RESULTS):
             curves = [("no transfers (compute ceiling)", f"chunks{c}_no_comm_shared_adaln", "#2ca02c", "o", ":"),
                       (f"rank 0, {bw} GB/s", f"chunks{c}_bw{bw}_shared_adaln", "#000000", "D", "-"),
                       (f"last rank, {bw} GB/s", f"chunks{c}_bw{bw}_shared_adaln_last_rank", "#1f77b4", "s", "--")]
-            tn = [n for n in ns if n in TARGETS]
             for ax, scale in ((axes[0][col], lambda n, v: v), (axes[1][col], lambda n, v: 100 * v / n)):
                 ax.plot(ns, [scale(n, n) for n in ns], color="#999999", linestyle="--", label="ideal (N)")
                 for label, key, color, marker, ls in curves:
                     pts = [(1, 1.0)] + [(n, _speedup(w, key)) for n, w, _ in worlds if _num(_speedup(w, key))]
                     ax.plot([n for n, _ in pts], [scale(n, v) for n, v in pts], marker=marker, linestyle=ls, color=color, label=label)
-                ax.scatter(tn, [scale(n, TARGETS[n]) for n in tn], marker="*", s=170, color="#d62728", zorder=5,
-                           label="issue target (N real GPUs)")
                 ax.grid(alpha=0.3)
             top, bottom = axes[0][col], axes[1][col]
             top.set_xscale("log", base=2)
@@ -955,7 +1051,7 @@ def make_plots(results=RESULTS):
         axes[0][0].set_ylabel("emulated speed-up over one GPU (one DiT block)")
         axes[1][0].set_ylabel("speed-up / N (%)")
         axes[0][-1].legend(fontsize=8, loc="upper left")
-        fig.suptitle("H3 sequence parallel, current code, EMULATED on one GPU (all-to-alls replaced by side-stream stand-ins);\n"
+        fig.suptitle("H3 sequence parallel, the series' Ulysses code as of these runs, EMULATED on one GPU (all-to-alls replaced by side-stream stand-ins);\n"
                      f"no multi-GPU measurement exists yet. {gpu_machine(found[0][1]).split(' (run started')[0]}", fontsize=11)
         fig.tight_layout()
         written.append(results / PLOT_SCALING)
