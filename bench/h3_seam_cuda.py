@@ -44,11 +44,13 @@ def compare(a, b, out):
         ma, mb = json.loads(fa.metadata()["meta"]), json.loads(fb.metadata()["meta"])
         for name in ma["kernels"]:
             same = all(torch.equal(fa.get_tensor(f"{name}.{s}"), fb.get_tensor(f"{name}.{s}")) for s in ("video", "audio"))
-            result["cases"][name] = {"bit_identical": same, "kernels": len(ma["kernels"][name]),
-                                     "same_kernels": ma["kernels"][name] == mb["kernels"][name]}
+            ka, kb = ma["kernels"][name], mb["kernels"][name]
+            result["cases"][name] = {"bit_identical": same, "kernels": len(ka), "same_kernel_sequence": ka == kb,
+                                     "same_kernels": sorted(ka) == sorted(kb)}
     result.update(machine=platform.node(), gpu=ma["gpu"], torch=ma["torch"],
                   all_bit_identical=all(c["bit_identical"] for c in result["cases"].values()),
-                  all_same_kernels=all(c["same_kernels"] for c in result["cases"].values()))
+                  all_same_kernels=all(c["same_kernels"] for c in result["cases"].values()),
+                  all_same_kernel_sequence=all(c["same_kernel_sequence"] for c in result["cases"].values()))
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}))
