@@ -1,21 +1,24 @@
-"""Apply the series to a clean copy of the pinned base and test the result.
+"""Apply the series to a clean copy of the base and test the result.
 
-    COMFYUI_DIR=/path/to/ComfyUI patches/check [--bisect] [--keep]
+    patches/check [--bisect] [--keep]
 
-1. clone COMFYUI_DIR twice (base, patched) and check the base is the pinned one;
-2. `git am` every patch of patches/series, in order, onto the patched copy (any conflict fails);
-   after each patch, import the modules it adds and comfy.model_base there (--bisect: also run
-   the tests the patch adds);
-3. check the patched tree holds exactly this repository's files (the series is in sync);
-4. import check: ComfyUI's model stack, the re-export and every new module, in the patched tree;
-   ComfyUI loads its extra nodes (ours registered, no import failure the base does not have);
-5. our tests inside the patched tree, with the patched tree's own pytest configuration;
+The base is COMFYUI_DIR, else .comfyui/comfyui-h3-newest (scripts/comfyui_tree.sh makes it: the
+shared tarball unpacked, one git commit).
+1. clone the base twice (base, patched) and check it is the series' base;
+2. plain `git am --whitespace=error` of every patch of patches/series, in order, onto the patched
+   copy (a conflict or a whitespace warning fails); after each patch, import the modules it adds and
+   comfy.model_base there (--bisect: also run the tests the patch adds, with only the earlier
+   patches present);
+3. the patched tree equals the one scripts/test.sh tests (patches/build.py --tree): the series is in sync;
+4. import check of every module the series adds; ComfyUI loads its extra nodes (ours registered,
+   no import failure the base does not have);
+5. upstream's own tests-unit/comfy_test/test_minimax_h3_model.py, then our tests, in the patched tree;
 6. ComfyUI's tests-unit on the base and on the patched tree (our tests left out), compared test by
    test: a test that passes on the base must pass after patching.
 
-torchvision / torchaudio cannot be installed in this CPU environment; the import checks and our tests
-get scripts/absent_media_packages.py's stand-ins (not part of the series), as scripts/test.sh gives
-them. ComfyUI's own tests run without them, identically on both trees. A JSON summary goes to bench/results/patch_check.json.
+Every pytest run goes through scripts/pytest_in_tree.py (--cpu without CUDA, as upstream's tests
+need) with scripts/media_site on PYTHONPATH (torchvision / torchaudio stand-ins where they are not
+installed), the same on both trees. A JSON summary goes to bench/results/patch_check.json.
 """
 
 import argparse
@@ -29,20 +32,16 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+import build
 import manifest as series
+from build import is_test
 from manifest import HERE, REPO, SeriesError, git
 
 RESULT_JSON = os.path.join(REPO, "bench", "results", "patch_check.json")
 MEDIA_SITE = os.path.join(REPO, "scripts", "media_site")
-STUBS = f"import sys; sys.path.insert(0, {os.path.join(REPO, 'scripts')!r}); import absent_media_packages; absent_media_packages.install(); "
-CPU = "from comfy.cli_args import args; args.cpu = True; "
-IMPORT_CHECK = ("import comfy.model_base, comfy.ldm.minimax.model, comfy.ldm.minimax_h3.model, comfy.parallel, "
-                "comfy.model_patcher_snapshot, comfy_extras.nodes_minimax_h3_parallel")
-OUR_TESTS = ["tests-unit/minimax_h3_test", "tests-unit/comfy_test/model_patcher_snapshot_test.py",
-             "tests-unit/comfy_test/model_patcher_snapshot_overlay_test.py",
-             "tests-unit/comfy_test/model_patcher_snapshot_load_test.py", "tests-unit/parallel_test",
-             "tests-unit/comfy_extras_test/nodes_minimax_h3_parallel_test.py", "tests-unit/infra_test"]
-PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+CPU = "import torch; from comfy.cli_args import args; args.cpu = not torch.cuda.is_available(); "
+UPSTREAM_H3_TEST = "tests-unit/comfy_test/test_minimax_h3_model.py"
+PYTEST = [sys.executable, os.path.join(REPO, "scripts", "pytest_in_tree.py"), "-q", "-p", "no:cacheprovider"]
 NODE_ID = "MiniMaxH3SequenceParallel"
 LOAD_NODES = ("import asyncio, json, nodes; failed = asyncio.run(nodes.init_builtin_extra_nodes()); "
               f"print(json.dumps({{'failed': sorted(failed), 'node': nodes.NODE_DISPLAY_NAME_MAPPINGS.get('{NODE_ID}')}}))")
@@ -54,7 +53,10 @@ class Run:
     def __init__(self, work):
         self.work, self.commands, self.logs = work, [], 0
         self.env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_DIR", "PYTHONPATH")}
-        self.env.update(PYTHONDONTWRITEBYTECODE="1", GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
+        # git am needs a committer, not the builder's: the author comes from the patch
+        self.env.update(PYTHONDONTWRITEBYTECODE="1", GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull,
+                        PYTHONPATH=MEDIA_SITE, GIT_COMMITTER_NAME="patches-check", GIT_COMMITTER_EMAIL="check@localhost",
+                        GIT_CEILING_DIRECTORIES=work)
 
     def __call__(self, tree, argv, label, timeout=1800, env=None):
         self.logs += 1
@@ -81,18 +83,18 @@ def apply_series(run, tree, manifest, resolved, names, bisect):
     """git am each patch; import what it adds; with bisect, run the tests it adds."""
     steps = []
     for entry, name in zip(manifest["patches"], names):
-        rc, text, _ = run(tree, ["git", "am", "--quiet", os.path.join(HERE, name)], f"am-{entry['name']}")
-        if rc != 0:
+        rc, text, _ = run(tree, ["git", "am", "--quiet", "--whitespace=error", os.path.join(HERE, name)], f"am-{entry['name']}")
+        if rc != 0 or "warning" in text:
             run(tree, ["git", "am", "--abort"], "am-abort")
-            raise SeriesError(f"git am {name} failed on the base:\n{text.strip()}")
-        modules = ["comfy.model_base"] + module_names(resolved[entry["name"]] + list(entry.get("replace", {})))
-        rc, text, secs = run(tree, [sys.executable, "-c", STUBS + CPU + "import " + ", ".join(modules)], f"import-{entry['name']}")
+            raise SeriesError(f"git am {name} failed or warned on the base:\n{text.strip()}")
+        modules = ["comfy.model_base"] + module_names(resolved[entry["name"]])
+        rc, text, secs = run(tree, [sys.executable, "-c", CPU + "import " + ", ".join(modules)], f"import-{entry['name']}")
         step = {"patch": name, "imports": modules, "import_ok": rc == 0}
         if rc != 0:
             raise SeriesError(f"after {name}: importing {', '.join(modules)} failed:\n{text[-3000:]}")
-        tests = [f for f in resolved[entry["name"]] if f.endswith("_test.py")]
+        tests = [f for f in resolved[entry["name"]] if is_test(f)]
         if bisect and tests:
-            rc, text, secs = run(tree, PYTEST + ["-m", "not slow"] + tests, f"tests-{entry['name']}", env={"PYTHONPATH": MEDIA_SITE})
+            rc, text, secs = run(tree, PYTEST + tests, f"tests-{entry['name']}")
             step.update(tests=summary_line(text), tests_ok=rc == 0, seconds=secs)
             if rc != 0:
                 raise SeriesError(f"after {name}: its own tests fail:\n{text[-3000:]}")
@@ -101,15 +103,25 @@ def apply_series(run, tree, manifest, resolved, names, bisect):
     return steps
 
 
-def out_of_sync(tree, manifest, resolved):
-    """Files whose content in the patched tree differs from this repository's."""
-    pairs = [(f, f) for files in resolved.values() for f in files]
-    pairs += [(target, source) for p in manifest["patches"] for target, source in p.get("replace", {}).items()]
+def out_of_sync(tree, manifest, base_dir, work):
+    """Files that differ between the tree git am made and the one patches/build.py --tree makes."""
+    expected = os.path.join(work, "expected")
+    build.build_tree(manifest, base_dir, expected)
     bad = []
-    for in_tree, in_repo in pairs:
-        with open(os.path.join(tree, in_tree), "rb") as a, open(os.path.join(REPO, in_repo), "rb") as b:
-            if a.read() != b.read():
-                bad.append(in_tree)
+    for dirpath, dirnames, filenames in os.walk(expected):
+        dirnames[:] = [d for d in dirnames if d not in (".git", "__pycache__")]
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), expected)
+            with open(os.path.join(dirpath, name), "rb") as a:
+                want = a.read()
+            try:
+                with open(os.path.join(tree, rel), "rb") as b:
+                    same = b.read() == want
+            except FileNotFoundError:
+                same = False
+            if not same:
+                bad.append(rel)
+    shutil.rmtree(expected)
     return bad
 
 
@@ -163,7 +175,7 @@ def our_test_ignores(base_tree, resolved):
 
 def check(args, manifest, run, report):
     work = run.work
-    resolved = series.resolve(manifest)
+    resolved = series.resolve_strict(manifest)
     with open(os.path.join(HERE, "series"), encoding="utf-8") as f:
         names = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     if names != [p["name"] + ".patch" for p in manifest["patches"]]:
@@ -172,29 +184,28 @@ def check(args, manifest, run, report):
     for t in (base_tree, tree):
         series.clone(args.comfyui_dir, t)
     series.verify_base(manifest, base_tree, label=args.comfyui_dir)
-    for key, value in series.identity(manifest).items():
-        run.env.setdefault(key, value)
     report["series"] = [{"patch": n, "bytes": os.path.getsize(os.path.join(HERE, n))} for n in names]
 
     print(f"git am {len(names)} patches onto a clean copy of {args.comfyui_dir}")
     report["applied"] = apply_series(run, tree, manifest, resolved, names, args.bisect)
     report["commits"] = git(tree, "log", "--format=%s", f"-{len(names)}").splitlines()[::-1]
 
-    stale = out_of_sync(tree, manifest, resolved)
+    stale = out_of_sync(tree, manifest, args.comfyui_dir, work)
     report["in_sync_with_repository"] = not stale
     if stale:
         raise SeriesError("the series is out of date with this repository (run patches/build): " + ", ".join(stale))
     print("  patched tree holds exactly this repository's files")
 
-    rc, text, _ = run(tree, [sys.executable, "-c", STUBS + CPU + IMPORT_CHECK], "import-check")
+    added = module_names([f for files in resolved.values() for f in files])
+    rc, text, _ = run(tree, [sys.executable, "-c", CPU + "import comfy.model_base, " + ", ".join(added)], "import-check")
     report["import_check"] = {"ok": rc == 0, "command": run.commands[-1]["command"]}
     if rc != 0:
         raise SeriesError(f"import check failed in the patched tree:\n{text[-3000:]}")
-    print("  import check: ok (with torchvision/torchaudio stand-ins)")
+    print(f"  import check: ok, {len(added)} modules (with torchvision/torchaudio stand-ins)")
 
     loads = {}
     for label, t in (("base", base_tree), ("patched", tree)):
-        rc, text, _ = run(t, [sys.executable, "-c", STUBS + CPU + LOAD_NODES], f"load-nodes-{label}")
+        rc, text, _ = run(t, [sys.executable, "-c", CPU + LOAD_NODES], f"load-nodes-{label}")
         loads[label] = json.loads(text.strip().splitlines()[-1]) if rc == 0 else {"error": text[-2000:]}
     report["node_loading"] = loads
     if "error" in loads["base"] or "error" in loads["patched"] or loads["patched"]["failed"] != loads["base"]["failed"] \
@@ -203,9 +214,15 @@ def check(args, manifest, run, report):
     print(f"  nodes.init_builtin_extra_nodes(): '{loads['patched']['node']}' registered; the same "
           f"{len(loads['base']['failed'])} extras fail to import as on the base (missing optional packages)")
 
+    rc, text, secs = run(tree, PYTEST + [UPSTREAM_H3_TEST], "upstream-h3-test")
+    report["upstream_h3_test"] = {"exit_code": rc, "seconds": secs, "summary": summary_line(text)}
+    print(f"  upstream's {UPSTREAM_H3_TEST} in the patched tree: {summary_line(text)}")
+    if rc != 0:
+        raise SeriesError(f"upstream's {UPSTREAM_H3_TEST} fails in the patched tree:\n{text[-3000:]}")
+
     junit = os.path.join(work, "junit-ours.xml")
-    rc, text, secs = run(tree, PYTEST + OUR_TESTS + ["-m", "not slow", f"--junitxml={junit}"], "our-tests",
-                         env={"PYTHONPATH": MEDIA_SITE})
+    ours_files = sorted(f for files in resolved.values() for f in files if is_test(f))
+    rc, text, secs = run(tree, PYTEST + ours_files + [f"--junitxml={junit}"], "our-tests")
     ours = outcomes(junit) if os.path.exists(junit) else {}
     report["our_tests"] = {"exit_code": rc, "seconds": secs, "summary": summary_line(text), **count(ours)}
     print(f"  our tests in the patched tree: {summary_line(text)} (exit {rc}, {secs} s)")
@@ -248,7 +265,7 @@ def main():
     try:
         manifest = series.load()
         args.comfyui_dir = series.comfyui_dir()
-        report["base"] = f"ComfyUI {manifest['base']['upstream_commit'][:12]} (v{manifest['base']['version']})"
+        report["base"] = manifest["base"]["name"]
         report["base_sha256"], report["comfyui_dir"] = manifest["base"]["sha256"], args.comfyui_dir
         ok = check(args, manifest, run, report)
     except SeriesError as e:

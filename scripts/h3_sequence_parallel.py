@@ -1,27 +1,28 @@
 """MiniMax H3 sequence parallelism end to end, as a ComfyUI workflow run headless: the project's main job.
 
-    UNETLoader -> [MiniMax H3 Sequence Parallel] -> LoraLoaderModelOnly -> KSampler (cfg > 1)
+    UNETLoader -> [MiniMax H3 Sequence Parallel] -> LoraLoaderModelOnly -> KSampler
 
 on a small generated H3 checkpoint (or --checkpoint), with ComfyUI's own nodes, loader, ModelPatcher
-and sampler: once without the node and once with it on N ranks, for two seeds (the second reuses
-the same workers and sends nothing). Prints a parity + timing table and writes it as JSON. Needs a
-ComfyUI tree of the pinned base in COMFYUI_DIR (scripts/run_main.sh provides one).
+and sampler: once without the node and once with it on N ranks, for two seeds at --cfg (> 1) and
+one at cfg 1 (H3's released checkpoints are CFG-distilled: cfg 1 is their usual run). Every sharded
+run reuses the same workers; a run with the same LoRA sends nothing. Prints a parity + timing table;
+the JSON (--out-dir/h3_sequence_parallel.json) is written only once the verdict is known.
+Runs in a patched ComfyUI tree (--comfyui; scripts/run_main.sh builds one and passes it).
 
-  python scripts/h3_sequence_parallel.py                         # small random H3, 2 CPU ranks (gloo)
-  python scripts/h3_sequence_parallel.py --ranks 3 --steps 8
-  python scripts/h3_sequence_parallel.py --device cuda --ranks 2 --checkpoint /models/h3.safetensors
+  scripts/run_main.sh                                     # small random H3, 2 CPU ranks (gloo)
+  scripts/run_main.sh --ranks 3 --weight-dtype fp8_e4m3fn
+  scripts/run_main.sh --device cuda --ranks 2 --checkpoint /models/h3.safetensors --lora-rank 0
 """
 
 import argparse
 import json
 import os
 import platform
-import runpy
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SITE = os.path.join(ROOT, "scripts", "comfyui_site")
+RESULT = "h3_sequence_parallel.json"
 
 SMALL_CONFIG = {"hidden_size": 256, "num_layers": 6, "token_refiner_num_layers": 1, "num_attention_heads": 8,
                 "attention_head_dim": 32, "ffn_hidden_size": 512, "text_dim": 192, "timestep_input_dim": 64,
@@ -29,16 +30,24 @@ SMALL_CONFIG = {"hidden_size": 256, "num_layers": 6, "token_refiner_num_layers":
 TOLERANCE = 1e-4  # max |sharded - native| / max |native| of the final latent (fp32 compute)
 
 
-def setup_comfyui(device):
-    """This repository over the ComfyUI tree in COMFYUI_DIR, as a patched tree; workers inherit it."""
-    comfyui = os.environ.get("COMFYUI_DIR")
-    if not comfyui or not os.path.isfile(os.path.join(comfyui, "comfy", "model_patcher.py")):
-        sys.exit("COMFYUI_DIR must point at a ComfyUI tree of the pinned base; scripts/run_main.sh sets one up")
-    sys.path[:0] = [SITE, ROOT]
-    sys.path.append(os.path.abspath(comfyui))
-    runpy.run_path(os.path.join(SITE, "sitecustomize.py"))
+def setup_comfyui(tree, device):
+    """Import ComfyUI from the patched tree (run_main.sh also puts it first on PYTHONPATH, for the workers)."""
+    if not tree or not os.path.isfile(os.path.join(tree, "comfy", "model_patcher.py")):
+        sys.exit("--comfyui must name a patched ComfyUI tree; scripts/run_main.sh builds one")
+    tree = os.path.abspath(tree)
+    sys.path[:0] = [tree, os.path.join(tree, "tests-unit")]  # tests-unit: h3_files, the checkpoint writer
     from comfy.cli_args import args
     args.cpu = device == "cpu"
+
+
+def check_gpus(ranks):
+    """Before anything starts: one GPU per rank."""
+    import torch
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < ranks:
+        names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(found)) or "none"
+        sys.exit(f"--device cuda --ranks {ranks} needs {ranks} GPUs; this python ({sys.executable}, torch "
+                 f"{torch.__version__}) sees {found}: {names}. Use fewer --ranks or another --python.")
 
 
 def make_files(models, checkpoint, lora_rank, seed):
@@ -65,10 +74,11 @@ def make_files(models, checkpoint, lora_rank, seed):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--comfyui", help="the patched ComfyUI tree to run in (scripts/run_main.sh passes it)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--cfg", type=float, default=3.0)
+    ap.add_argument("--cfg", type=float, default=3.0, help="the cfg > 1 workflow's cfg (a cfg 1 workflow runs beside it)")
     ap.add_argument("--checkpoint", help="an H3 safetensors checkpoint; default: a small random one under --out-dir")
     ap.add_argument("--weight-dtype", default="default", choices=("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"),
                     help="UNETLoader's weight_dtype")
@@ -81,18 +91,26 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="out")
     a = ap.parse_args()
+    if a.ranks < 1:
+        ap.error("--ranks must be at least 1")
+    out = os.path.abspath(a.out_dir)
+    result_path = os.path.join(out, RESULT)
+    if os.path.exists(result_path):
+        os.remove(result_path)  # a failed run must not leave the previous run's verdict behind
+    if a.device == "cuda":
+        check_gpus(a.ranks)
 
-    setup_comfyui(a.device)
+    setup_comfyui(a.comfyui, a.device)
     import torch
 
+    import comfy.ldm.common_dit
     import comfy.model_management
+    import comfy_extras.nodes_minimax_h3_parallel as sp_node
     import folder_paths
     import nodes
-    from comfy.ldm.minimax_h3.model import SEQUENCE_PARALLEL_OPTION
+    from comfy.ldm.minimax.model import PackedLayout
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
-    from comfy_extras.nodes_minimax_h3_parallel import MiniMaxH3SequenceParallel
 
-    out = os.path.abspath(a.out_dir)
     models = os.path.join(out, "models")
     checkpoint, lora = make_files(models, a.checkpoint and os.path.abspath(a.checkpoint), a.lora_rank, a.seed)
     folder_paths.add_model_folder_path("diffusion_models", os.path.dirname(checkpoint), is_default=True)
@@ -108,11 +126,11 @@ def main():
     negative = [[torch.randn(1, a.text_len // 2, text_dim, generator=g), {}]]
     devices = [f"cuda:{i}" for i in range(a.ranks)] if a.device == "cuda" else ["cpu"] * a.ranks
 
-    def workflow(model, seed):
+    def workflow(model, seed, cfg):
         if lora is not None:
             model = nodes.LoraLoaderModelOnly().load_lora_model_only(model, os.path.basename(lora), a.lora_strength)[0]
         t0 = time.perf_counter()
-        samples = nodes.KSampler().sample(model, seed, a.steps, a.cfg, "euler", "simple", positive, negative, latent)[0]["samples"]
+        samples = nodes.KSampler().sample(model, seed, a.steps, cfg, "euler", "simple", positive, negative, latent)[0]["samples"]
         if a.device == "cuda":
             torch.cuda.synchronize()
         return (samples.unbind() if samples.is_nested else [samples]), time.perf_counter() - t0
@@ -120,15 +138,16 @@ def main():
     def rel(x, y):
         return max(float((u - v).abs().max() / v.abs().max()) for u, v in zip(x, y))
 
-    seeds = [a.seed + 1, a.seed + 2]
-    native = [workflow(base, s) for s in seeds]
-    parallel = MiniMaxH3SequenceParallel.execute(base, ",".join(devices)).result[0]
-    sp = parallel.model_options["transformer_options"][SEQUENCE_PARALLEL_OPTION]
+    cases = [(a.seed + 1, a.cfg), (a.seed + 2, a.cfg), (a.seed + 1, 1.0)]  # (seed, cfg)
+    native = [workflow(base, s, cfg) for s, cfg in cases]
+    parallel = sp_node.MiniMaxH3SequenceParallel.execute(base, ",".join(devices)).result[0]
+    sp = sp_node.runner_for(parallel, sp_node.devices_from_text(",".join(devices)))  # the one the node attached
     runs = []
     try:
-        for s in seeds:
-            samples, seconds = workflow(parallel, s)
-            runs.append({"seed": s, "seconds": seconds, "samples": samples, "worker_pids": sorted(sp.group.worker_pids().values()),
+        for s, cfg in cases:
+            samples, seconds = workflow(parallel, s, cfg)
+            runs.append({"seed": s, "cfg": cfg, "seconds": seconds, "samples": samples,
+                         "worker_pids": dict(sorted(sp.group.worker_pids().items())),
                          "patch_sync": sp.last_sent, "sharded_steps": sp.steps_run})
         startup = dict(sp.group.startup_seconds)
     finally:
@@ -137,44 +156,45 @@ def main():
 
     table = []
     for (ref, ref_s), run in zip(native, runs):
-        table.append({"seed": run["seed"], "native_s": ref_s, "sharded_s": run["seconds"],
+        table.append({"seed": run["seed"], "cfg": run["cfg"], "native_s": ref_s, "sharded_s": run["seconds"],
                       "rel_diff": rel(run["samples"], ref), "worker_pids": run["worker_pids"], "patch_sync": run["patch_sync"]})
-    ok = all(r["rel_diff"] <= TOLERANCE for r in table) and table[0]["worker_pids"] == table[1]["worker_pids"] and closed
-    tokens = diffusion.plan(_plan_inputs(diffusion, latent, positive)).seq_len
+    same_workers = all(r["worker_pids"] == table[0]["worker_pids"] for r in table)
+    ok = all(r["rel_diff"] <= TOLERANCE for r in table) and same_workers and closed
+    tokens = sequence_length(PackedLayout, comfy.ldm.common_dit.pad_to_patch_size, diffusion, latent, positive)
     result = {"ranks": a.ranks, "device": a.device, "backend": "nccl" if a.device == "cuda" else "gloo", "steps": a.steps,
-              "cfg": a.cfg, "tokens": tokens, "weight_dtype": a.weight_dtype, "checkpoint": checkpoint,
+              "cfgs": sorted({cfg for _, cfg in cases}), "tokens": tokens, "rank0_pid": os.getpid(), "weight_dtype": a.weight_dtype, "checkpoint": checkpoint,
               "model_dtype": str(base.model_dtype()), "lora": lora, "lora_strength": a.lora_strength, "runs": table,
               "startup_s": startup, "sharded_model_calls": runs[-1]["sharded_steps"], "workers_closed_on_unload": closed,
               "tolerance": TOLERANCE, "parity": ok,
               "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}}
-    with open(os.path.join(out, "h3_sequence_parallel.json"), "w") as f:
-        json.dump(result, f, indent=1)
 
-    print(f"MiniMax H3 sequence parallel, ComfyUI workflow: {tokens} tokens, KSampler {a.steps} steps euler cfg {a.cfg}, "
-          f"weights {result['model_dtype']}, LoRA {'none' if lora is None else a.lora_strength}, {a.ranks} ranks on "
-          f"{a.device} ({result['backend']})")
-    print("| seed | native s | sharded s | max rel diff | worker PIDs | patch sync |")
-    print("|-----:|---------:|----------:|-------------:|-------------|------------|")
+    print(f"MiniMax H3 sequence parallel, ComfyUI workflow: {tokens} tokens, KSampler {a.steps} steps euler, "
+          f"weights {result['model_dtype']} ({a.weight_dtype}), LoRA {'none' if lora is None else a.lora_strength}, "
+          f"{a.ranks} ranks on {a.device} ({result['backend']})")
+    print(f"| seed | cfg | native s | sharded s | max rel diff | PIDs by rank (rank 0 is this process, pid {os.getpid()}; the others are its workers) | patch sync |")
+    print("|-----:|----:|---------:|----------:|-------------:|-------------|------------|")
     for r in table:
         sync = "none (same version)" if r["patch_sync"] is None else f"{r['patch_sync']['kind']} ({r['patch_sync'].get('keys', r['patch_sync'].get('changed'))} keys)"
-        print(f"| {r['seed']} | {r['native_s']:.3f} | {r['sharded_s']:.3f} | {r['rel_diff']:.2e} | {r['worker_pids']} | {sync} |")
+        pids = ", ".join(["0: this process"] + [f"{rank}: {pid}" for rank, pid in r["worker_pids"].items()])
+        print(f"| {r['seed']} | {r['cfg']:g} | {r['native_s']:.3f} | {r['sharded_s']:.3f} | {r['rel_diff']:.2e} | {pids} | {sync} |")
     print(f"worker start-up {startup.get('total', 0):.2f} s (in the first sharded run); {result['sharded_model_calls']} sharded "
           f"model calls; workers closed on unload: {closed}")
-    print(f"parity (tolerance {TOLERANCE:.0e}), same workers for both seeds, clean unload -> {'PASS' if ok else 'FAIL'}")
-    print(f"written: {os.path.join(out, 'h3_sequence_parallel.json')}")
+    print(f"parity (tolerance {TOLERANCE:.0e}), same workers for every run, clean unload -> {'PASS' if ok else 'FAIL'}")
+    # written only now that the verdict is known, pass or fail
+    with open(result_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"written: {result_path}")
     return 0 if ok else 1
 
 
-def _plan_inputs(model, latent, positive):
-    """StepInputs of one step of this workflow (to report the sequence length)."""
-    import torch
-
-    import comfy.nested_tensor  # noqa: F401
-    from comfy.ldm.minimax_h3.step_io import StepInputs
+def sequence_length(packed_layout, pad_to_patch_size, model, latent, positive):
+    """Rows of the packed sequence one step of this workflow runs (text + video + audio), from shapes
+    only: no text embedding is cast to the model's (maybe fp8) weight dtype to count them."""
     x = latent["samples"]
     video, audio = x.unbind() if x.is_nested else (x, None)
-    context = model.preprocess_text_embeds(positive[0][0].to(model.condition_proj.weight.dtype))
-    return StepInputs(video, audio, torch.tensor([500.0]), context, {}, {})
+    video = pad_to_patch_size(video, model.patch_size)
+    audio_t = 0 if audio is None else audio.shape[-1]
+    return packed_layout(positive[0][0].shape[1], video.shape[2], video.shape[3], video.shape[4], audio_t).seq_len
 
 
 if __name__ == "__main__":

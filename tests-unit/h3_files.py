@@ -23,11 +23,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from comfy.ldm.minimax_h3.layout import FRAME_RESCALE
-from comfy.ldm.minimax_h3.model import MiniMaxH3Model
+import comfy.ops
+from comfy.ldm.minimax.model import FRAME_RESCALE, MiniMaxH3Model
 
 FORMATS = ("plain", "scaled_fp8", "comfy_quant")
 FP8 = torch.float8_e4m3fn
+OPS = comfy.ops.disable_weight_init  # what ComfyUI's loader builds H3 with; on "meta" only the keys matter
 
 __all__ = ["FORMATS", "INPUT_KINDS", "TINY_CONFIG", "lora_state_dict", "quantized_layers", "random_state_dict",
            "read_h3_file", "step_inputs", "write_h3_file"]
@@ -118,7 +119,7 @@ def step_inputs(config, kind="t2va", seed=0, text_len=7, frames=3, height=6, wid
 def quantized_layers(config):
     """Layer names (no prefix) whose weights the scaled formats store in fp8."""
     # the model built at a non-fp32 dtype shows which linears follow the model dtype
-    probe = MiniMaxH3Model(**config, dtype=torch.bfloat16, device="meta").state_dict()
+    probe = MiniMaxH3Model(**config, dtype=torch.bfloat16, device="meta", operations=OPS).state_dict()
     return sorted(k[:-len(".weight")] for k, t in probe.items()
                   if k.endswith(".weight") and t.ndim == 2 and t.dtype != torch.float32)
 
@@ -134,7 +135,7 @@ def write_h3_file(path, config, seed=0, dtype=torch.float32, fmt="plain", prefix
     """Write random H3 weights (random_state_dict(seed) at dtype) to safetensors `path` in format `fmt` (see FORMATS); returns path."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown H3 file format {fmt!r}: use one of {FORMATS}")
-    sd = random_state_dict(MiniMaxH3Model(**config, dtype=dtype, device="meta"), seed=seed)
+    sd = random_state_dict(MiniMaxH3Model(**config, dtype=dtype, device="meta", operations=OPS), seed=seed)
     if fmt != "plain":
         for layer in quantized_layers(config):
             q, scale = _fp8_per_tensor(sd[layer + ".weight"])
@@ -170,7 +171,7 @@ def lora_state_dict(config, rank=4, seed=5, scale=0.1):
     of every DiT and token-refiner block): up, down and alpha per weight."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
-    for name, w in MiniMaxH3Model(**config, device="meta").state_dict().items():
+    for name, w in MiniMaxH3Model(**config, device="meta", operations=OPS).state_dict().items():
         if name.endswith(("qkv_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight")):
             stem = "lora_unet_" + name[:-len(".weight")].replace(".", "_")
             sd[stem + ".lora_up.weight"] = torch.randn(w.shape[0], rank, generator=g) * scale

@@ -1,11 +1,11 @@
 """patches/ is in sync with this tree: what reviewers apply is exactly what we test here.
 
-Needs no ComfyUI checkout (CI has none): it reads the generated .patch files. Every file a patch
-adds must be byte-identical to this repository's file (content and git blob id), the only upstream
-files the series modifies are the ones series.json replaces or edits (with exactly the expected
-result), and every file under comfy/, comfy_extras/ and tests-unit/ is added by exactly one patch
-unless series.json excludes it with a reason (this test is excluded: it checks patches/, which
-exists only in this repository). When a test here fails, run ``COMFYUI_DIR=... patches/build``.
+Needs no ComfyUI tree: it reads the generated .patch files. Every file a patch adds must be
+byte-identical to this repository's file (content and git blob id), the only upstream files a patch
+modifies are its diffs (hunk for hunk patches/upstream/<patch>/<path>.diff) and its edits, and every
+file under comfy/, comfy_extras/ and tests-unit/ is added by exactly one patch unless series.json
+excludes it with a reason (this test is excluded: it checks patches/, which exists only in this
+repository). When a test here fails, run ``patches/build``.
 """
 
 import hashlib
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATCHES = os.path.join(ROOT, "patches")
-REBUILD = "rebuild the series: COMFYUI_DIR=/path/to/pinned/ComfyUI patches/build"
+REBUILD = "rebuild the series: patches/build"
 
 def _load_manifest_module():
     spec = importlib.util.spec_from_file_location("patches_manifest", os.path.join(PATCHES, "manifest.py"))
@@ -79,19 +79,9 @@ def _parse_hunk(lines, i, old_count, new_count):
     return body, i
 
 
-def parse_patch(name):
-    with open(os.path.join(PATCHES, name), "rb") as f:
-        lines = f.read().decode("utf-8").split("\n")
-    end_of_headers = lines.index("")
-    headers, key = {}, None
-    for line in lines[1:end_of_headers]:
-        if line[:1] in " \t":  # folded header
-            headers[key] += " " + line.strip()
-        else:
-            key, _, value = line.partition(": ")
-            headers[key] = value
-    message_end = lines.index("---", end_of_headers)
-    files, i = [], message_end
+def parse_files(lines, i, name):
+    """The per-file diffs in `lines` from index i on (git's format: format-patch and git diff alike)."""
+    files = []
     while i < len(lines):
         line = lines[i]
         if line.startswith("diff --git a/"):
@@ -116,7 +106,36 @@ def parse_patch(name):
             files[-1].hunks.append((int(m.group(3)), body))
             continue
         i += 1
+    return files
+
+
+def parse_patch(name):
+    """A format-patch file. Only Subject and the message are compared: From: and Date: name whoever
+    built the series and when, which differ between builders."""
+    with open(os.path.join(PATCHES, name), "rb") as f:
+        lines = f.read().decode("utf-8").split("\n")
+    end_of_headers = lines.index("")
+    headers, key = {}, None
+    for line in lines[1:end_of_headers]:
+        if line[:1] in " \t":  # folded header
+            headers[key] += " " + line.strip()
+        else:
+            key, _, value = line.partition(": ")
+            headers[key] = value
+    message_end = lines.index("---", end_of_headers)
+    files = parse_files(lines, message_end, name)
     return Patch(name, headers, "\n".join(lines[end_of_headers + 1:message_end]).strip(), files)
+
+
+def parse_diff(path):
+    with open(path, "rb") as f:
+        lines = f.read().decode("utf-8").split("\n")
+    if not any(line.startswith("diff --git a/") for line in lines):  # a plain unified diff, as git apply takes
+        target = next(line[len("+++ b/"):] for line in lines if line.startswith("+++ b/"))
+        lines = [f"diff --git a/{target} b/{target}"] + lines
+    files = parse_files(lines, 0, path)
+    assert len(files) == 1, f"{path}: expected the diff of one file, found {len(files)}"
+    return files[0]
 
 
 @pytest.fixture(scope="module")
@@ -173,28 +192,27 @@ def test_added_files_are_byte_identical_to_the_repository(patches):
     assert not stale, "\n".join(stale + [REBUILD])
 
 
-def test_modified_upstream_files_are_exactly_the_replacements_and_edits(manifest, patches):
-    expected = {}
-    for entry in manifest["patches"]:
-        for target, source in entry.get("replace", {}).items():
-            expected[target] = ("replace", source)
-        for edit in entry.get("edits", []):
-            expected[edit["path"]] = ("edit", edit)
-    modified = {d.path: d for p in patches for d in p.files if not d.new_file}
-    assert sorted(modified) == sorted(expected), REBUILD
-    assert not any(d.deleted for d in modified.values())
-    for path, (kind, spec) in expected.items():
-        diff = modified[path]
-        if kind == "replace":
-            data = _read(spec)
-            assert diff.new_blob == blob_id(data) and diff.post_image() == data, f"{path} is not {spec}; {REBUILD}"
-            continue
-        anchor, insert = edit_lines(spec)
-        changes = [(tag, text) for _, body in diff.hunks for tag, text in body if tag != " "]
-        assert changes == [("+", line + "\n") for line in insert], f"{path}: expected only the added lines {insert!r}"
-        body = diff.hunks[0][1]
-        added = next(k for k, (tag, _) in enumerate(body) if tag == "+")
-        assert body[added - 1] == (" ", anchor[-1] + "\n"), f"{path}: the added lines must follow {anchor!r}"
+def test_modified_upstream_files_are_exactly_the_diffs_and_edits(manifest, patches):
+    """Per patch: the upstream files it modifies are its diffs (hunk for hunk the stored .diff) and its
+    edits (only the inserted lines, right after the anchor)."""
+    for entry, patch in zip(manifest["patches"], patches):
+        diffs = {path: os.path.join(PATCHES, "upstream", entry["name"], path + ".diff") for path in entry.get("diffs", [])}
+        edits = {edit["path"]: edit for edit in entry.get("edits", [])}
+        assert not set(diffs) & set(edits), f"{entry['name']}: a file is both a diff and an edit: {set(diffs) & set(edits)}"
+        modified = {d.path: d for d in patch.files if not d.new_file}
+        assert sorted(modified) == sorted(set(diffs) | set(edits)), f"{patch.name}: {REBUILD}"
+        assert not any(d.deleted for d in modified.values())
+        for path, stored in diffs.items():
+            expected = parse_diff(stored)
+            assert modified[path].hunks == expected.hunks, f"{patch.name}: {path} differs from {stored}; {REBUILD}"
+        for path, spec in edits.items():
+            diff = modified[path]
+            anchor, insert = edit_lines(spec)
+            changes = [(tag, text) for _, body in diff.hunks for tag, text in body if tag != " "]
+            assert changes == [("+", line + "\n") for line in insert], f"{path}: expected only the added lines {insert!r}"
+            body = diff.hunks[0][1]
+            added = next(k for k, (tag, _) in enumerate(body) if tag == "+")
+            assert body[added - 1] == (" ", anchor[-1] + "\n"), f"{path}: the added lines must follow {anchor!r}"
 
 
 def test_every_repository_file_is_in_exactly_one_patch(manifest, patches):
