@@ -60,6 +60,7 @@ SNAPSHOT_JSON = "snapshot_cpu.json"
 PATCH_CHECK_JSON = "patch_check.json"
 INPROCESS_JSON = "h3_h200_inprocess.json"
 INPROCESS_RR_JSON = "h3_h200_inprocess_round_robin.json"
+SEAM_CUDA_JSON = "h3_h200_seam_cuda.json"
 
 # bench/README.md's index: results file (a glob) -> the command that writes it -> the question it answers.
 # --check fails on a JSON in bench/results/ that no entry matches, and on a named file that is missing
@@ -100,6 +101,8 @@ INDEX = (
                         "--switch-intervals 0.0005,0.05`",
      "The same again (a second run), plus one thread driving all N ranks in turn, the threads' CPU time and other GIL "
      "switch intervals: is it the GIL?"),
+    (SEAM_CUDA_JSON, "`h3_seam_cuda.py --out` in the unpatched and in the patched tree, then `--compare`",
+     "Does patch 0001 change a number or a kernel on CUDA (every case of minimax_h3_cases.py)?"),
 )
 
 

@@ -12,12 +12,17 @@ import sys
 
 import pytest
 
+import comfy.cli_args
+
 # 8 heads with a rope that fits 8-dim heads: up to 8 ranks, uneven head splits at 3, 5, 6, 7
 WIDE = {"num_attention_heads": 8, "attention_head_dim": 8, "rope_inv_freq_len": 1}
 
 
 def run_ranks(world, tmp_path, config, timeout=300):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    # the ranks import the ComfyUI this process runs
+    root = os.path.dirname(os.path.dirname(os.path.abspath(comfy.cli_args.__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     args = [json.dumps(config), str(world), str(tmp_path)]
     ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(r)] + args, env=env,
                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"rank{r}.log", "w")) for r in range(world)]
