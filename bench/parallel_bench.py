@@ -5,7 +5,7 @@
 * start-up: ``ParallelGroup.start`` until ready (spawn + imports, rendezvous, probe, setup), with
   the group's own phase breakdown; ``--starts`` fresh groups per world size.
 * empty op: ``run("parallel.noop")`` round trip (frame out, preflight gather, result back), after
-  a warm-up; also with 4 KiB of inputs, which adds the one data-group broadcast.
+  a warm-up; also with 4 KiB of inputs, which travel in the control frame on each worker's pipe.
 * close: ``close()`` of a ready group (graceful shutdown, reap, destroy, store close).
 """
 
@@ -55,14 +55,14 @@ def machine():
             "omp_num_threads_workers": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def bench_world(world, starts, ops, log_root):
+def bench_size(world, starts, ops, log_root):
     start_totals, phases, close_times = [], [], []
     op_empty = op_small = None
     small = {"x": torch.zeros(1024, dtype=torch.float32)}
     for i in range(starts):
         g = ParallelGroup(f"bench{world}", log_dir=os.path.join(log_root, f"n{world}"))
         t0 = time.perf_counter()
-        g.start(["cpu"] * world, {"imports": []})
+        g.start(["cpu"] * world)
         start_totals.append(time.perf_counter() - t0)
         phases.append(g.startup_seconds)
         try:
@@ -96,7 +96,7 @@ def main():
     load_before = os.getloadavg()
     log_root = tempfile.mkdtemp(prefix="parallel-bench-")
     try:
-        results = [bench_world(w, a.starts, a.ops, log_root) for w in a.worlds]
+        results = [bench_size(w, a.starts, a.ops, log_root) for w in a.worlds]
     finally:
         shutil.rmtree(log_root, ignore_errors=True)
     doc = {

@@ -1,43 +1,10 @@
-"""comfy.parallel: a model-agnostic owner of worker processes and process groups.
+"""comfy.parallel: ComfyUI (rank 0) holds a ``ParallelGroup`` of headless ComfyUI workers (ranks 1..N-1, one
+device each) for a loaded model; model packages register ops (``register_op``) that run on every rank."""
 
-ComfyUI (rank 0) holds one ``ParallelGroup`` per loaded model; ranks 1..N-1 are worker processes,
-one device each. Model packages register ops (``register_op``) that run on every rank.
-"""
+from .errors import ParallelCancelled, ParallelError, ParallelGroupError, ParallelOpError, ParallelStateError, ParallelTimeout, PreflightMismatch
+from .group import ParallelGroup, Timeouts
+from .ops import OpContext, OpResult, register_op, unregister_op
 
-from .config import Timeouts
-from .errors import (
-    ParallelCancelled,
-    ParallelError,
-    ParallelGroupError,
-    ParallelOpError,
-    ParallelStateError,
-    ParallelTimeout,
-    PreflightMismatch,
-    ProtocolError,
-    UnknownOpError,
-    WorkerSpecError,
-)
-from .group import ParallelGroup
-from .registry import OpContext, OpResult, register_op, registered_ops, unregister_op
-from .state import GroupState
-
-__all__ = [
-    "GroupState",
-    "OpContext",
-    "OpResult",
-    "ParallelCancelled",
-    "ParallelError",
-    "ParallelGroup",
-    "ParallelGroupError",
-    "ParallelOpError",
-    "ParallelStateError",
-    "ParallelTimeout",
-    "PreflightMismatch",
-    "ProtocolError",
-    "Timeouts",
-    "UnknownOpError",
-    "WorkerSpecError",
-    "register_op",
-    "registered_ops",
-    "unregister_op",
-]
+__all__ = ["OpContext", "OpResult", "ParallelCancelled", "ParallelError", "ParallelGroup", "ParallelGroupError",
+           "ParallelOpError", "ParallelStateError", "ParallelTimeout", "PreflightMismatch", "Timeouts", "register_op",
+           "unregister_op"]

@@ -5,12 +5,56 @@ import socket
 import struct
 import time
 
+import sys
+import threading
+import traceback
+
+import torch
+
 OPS_MODULE = "parallel_ops_for_tests"
+IMPORTS = [OPS_MODULE]
 
 
-def spec(setup=None, **setup_args):
-    """A worker spec that imports the test ops."""
-    return {"imports": [OPS_MODULE], "setup": setup, "setup_args": setup_args}
+def assert_restart_works(g, world=2):
+    g.close()
+    assert g.state == "closed"
+    g.start(["cpu"] * world, IMPORTS)
+    assert g.run("test.echo", {"x": torch.arange(3)}).tensors["x"].tolist() == [0, 1, 2]
+    g.close()
+
+
+def blocked_threads():
+    """Threads (other than this one) whose stack is inside torch.distributed or a control-pipe write."""
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        stack = "".join(traceback.format_stack(frame))
+        if "torch/distributed" in stack or "comfy/parallel/frames.py" in stack:
+            out.append(stack)
+    return out
+
+
+class DeathClock:
+    """Records when worker ``rank`` of ``g`` dies (polling /proc from a thread)."""
+
+    def __init__(self, g, rank=1):
+        self.at = None
+        self._thread = threading.Thread(target=self._watch, args=(g, rank), daemon=True)
+        self._thread.start()
+
+    def _watch(self, g, rank):
+        pid = None
+        while pid is None:
+            pid = g.worker_pids().get(rank)
+            time.sleep(0.005)
+        while not pid_gone(pid):
+            time.sleep(0.005)
+        self.at = time.monotonic()
+
+    def join(self, timeout=30):
+        self._thread.join(timeout)
+        return self.at
 
 
 def child_pids(parent=None):

@@ -2,6 +2,10 @@
 
 import hashlib
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import torch
@@ -111,14 +115,49 @@ def state(ctx, tensors, meta):
     return {}, {"rank": ctx.rank, "built": ctx.state.get("built")}
 
 
-def setup_build(ctx, value, marker_dir=None):
-    """A setup that records its arguments in ctx.state (as a model build would)."""
-    ctx.state["built"] = f"{value}-rank{ctx.rank}"
-    return {"built": ctx.state["built"], "pid": os.getpid()}
+@register_op("test.setup_build")
+def setup_build(ctx, tensors, meta):
+    """Records its argument in ctx.state on the workers (as a model build would)."""
+    if ctx.rank > 0:
+        ctx.state["built"] = f"{meta['value']}-rank{ctx.rank}"
+    return {}, {"built": ctx.state.get("built"), "pid": os.getpid()}
 
 
-def setup_slow(ctx, marker_dir, seconds=30.0):
-    """A setup that announces itself with a file named after its pid, then takes ``seconds``."""
-    with open(os.path.join(marker_dir, f"setup-rank{ctx.rank}-{os.getpid()}"), "w") as f:
-        f.write("in setup")
-    time.sleep(seconds)
+@register_op("test.die_in")
+def die_in(ctx, tensors, meta):
+    """Rank ``meta['rank']`` enters ``meta['collective']`` and SIGKILLs itself while its peers are in it."""
+    n, big = ctx.world_size, meta.get("numel", 1 << 22)
+    if meta["collective"] == "broadcast":
+        x = torch.zeros(big, dtype=torch.uint8)
+        call = lambda: dist.broadcast(x, src=0, group=ctx.data_group, async_op=True)
+    elif meta["collective"] == "all_to_all":
+        x = torch.zeros(n * big // 4)
+        call = lambda: dist.all_to_all_single(torch.empty_like(x), x, group=ctx.data_group, async_op=True)
+    else:
+        x = torch.zeros(big // 4)
+        parts = [torch.empty_like(x) for _ in range(n)] if ctx.rank == 0 else None
+        call = lambda: dist.gather(x, parts, dst=0, group=ctx.data_group, async_op=True)
+    work = call()
+    if ctx.rank == meta["rank"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    work.wait()
+    return {}, {}
+
+
+@register_op("test.hang_on")
+def hang_on(ctx, tensors, meta):
+    """Rank ``meta['rank']`` blocks forever (a deadlock); the others wait for it in a collective."""
+    if ctx.rank == meta["rank"]:
+        threading.Event().wait()
+    dist.barrier(group=ctx.data_group)
+    return {}, {}
+
+
+@register_op("test.spawn_child")
+def spawn_child(ctx, tensors, meta):
+    """Rank 0 starts a child with close_fds=False (as os.system does) and lists the fds it holds."""
+    if ctx.rank == 0:
+        out = subprocess.run([sys.executable, "-c", "import os; print(' '.join(os.listdir('/proc/self/fd')))"],
+                             close_fds=False, capture_output=True, text=True, check=True)
+        return {}, {"child_fds": [int(f) for f in out.stdout.split()]}
+    return {}, {}
