@@ -16,8 +16,7 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 from comfy.ldm.minimax.model import MiniMaxH3Model
-from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel
-from comfy.parallel import headless
+from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel, loader_call
 from comfy_api.latest import ComfyExtension, io
 
 # base model (shared by every clone of it) -> {devices: SequenceParallel}
@@ -50,7 +49,7 @@ def runner_for(model, devices):
     runners = _RUNNERS.setdefault(base, {})
     key = tuple(devices)
     if key not in runners:
-        sp = runners[key] = SequenceParallel(devices, headless.loader_call(model), headless.execution_settings())
+        sp = runners[key] = SequenceParallel(devices, loader_call(model))
         weakref.finalize(base, sp.close)
     return runners[key]
 
