@@ -94,8 +94,10 @@ def weights_fingerprint(patcher, samples=64):
     found = _fingerprints.get(patcher.model)
     if found is None:
         code = hashlib.sha256()
-        for key, patches in sorted(patcher.get_key_patches("diffusion_model.").items()):
-            weight = patches[0][0]
+        for key, weight in sorted(patcher.model.diffusion_model.state_dict(keep_vars=True).items()):
+            # get_key_patches() would give the backups too, but cannot read quantized layers' extra state
+            backup = patcher.backup.get("diffusion_model." + key)
+            weight = backup.weight if backup is not None else weight
             code.update(f"{key}|{tuple(weight.shape)}|{weight.dtype}".encode())
             for inner in _plain_tensors(weight.detach()):
                 flat = inner.reshape(-1)
@@ -158,13 +160,14 @@ def patches_op(ctx, tensors, meta):
 @register_op(OP_FORWARD)
 def forward_op(ctx, tensors, meta):
     """This rank's rows of one step; every rank ends with the full output, rank 0 returns it."""
+    if ctx.rank:
+        # loaded before the preflight, so that no rank waits in a collective while another loads
+        comfy.model_management.load_models_gpu([ctx.state["patcher"]])
     ctx.preflight(hashlib.sha256(json.dumps([list(ctx.state["patch_version"]), ctx.state["describe"]], sort_keys=True).encode()).hexdigest())
     if ctx.rank == 0:
         run, model = ctx.state.pop("step"), ctx.state["model"]
     else:
-        patcher = ctx.state["patcher"]
-        comfy.model_management.load_models_gpu([patcher])
-        model = patcher.model.diffusion_model
+        model = ctx.state["patcher"].model.diffusion_model
         args = decode_args(meta["args"], tensors)
 
         def run(options):
