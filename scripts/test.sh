@@ -52,8 +52,19 @@ touch "$scratch/stamp"
 rcs=()
 run() { set +e; "$@"; rcs+=($?); set -e; }
 cd "$tree"
-run env TMPDIR="$scratch/tmp" "$py" "$root/scripts/pytest_in_tree.py" -p no:cacheprovider \
-  --basetemp="$scratch/tmp/pytest" "${opts[@]}" "${tree_paths[@]}"
+# comfy.parallel's own tests in a process of their own: where rank 0 has imported ComfyUI's model
+# management (the H3 and node tests do), every worker starts a whole headless ComfyUI, which those
+# tests do not need (the node tests cover that start-up)
+owner_paths=() other_paths=()
+for p in "${tree_paths[@]}"; do
+  case "$p" in tests-unit/parallel_test*) owner_paths+=("$p") ;; *) other_paths+=("$p") ;; esac
+done
+for group in owner other; do
+  declare -n paths="${group}_paths"
+  [ ${#paths[@]} -eq 0 ] && continue
+  run env TMPDIR="$scratch/tmp" "$py" "$root/scripts/pytest_in_tree.py" -p no:cacheprovider \
+    --basetemp="$scratch/tmp/pytest-$group" "${opts[@]}" "${paths[@]}"
+done
 if [ ${#infra_paths[@]} -gt 0 ]; then
   cd "$root"
   # no .pyc: a check that runs code in the pristine base must not write into it
