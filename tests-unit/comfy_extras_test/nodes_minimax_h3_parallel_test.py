@@ -74,11 +74,13 @@ class Workflow:
         return out.unbind() if out.is_nested else [out]
 
     @staticmethod
-    def step(patcher, seed=0):
+    def step(patcher, seed=0, sigma=0.6, layout=None):
         import comfy.model_management
         comfy.model_management.load_models_gpu([patcher])
         patcher.pre_run()
-        x, t, c, p = step_inputs(TINY_CONFIG, "keyframes", seed=seed, height=5)
+        x, t, c, p = step_inputs(TINY_CONFIG, "keyframes", seed=seed, height=5, sigma=sigma)
+        if layout is not None:
+            p["layout"] = layout
         c = c.to(patcher.model.get_dtype_inference())
         # as sampling merges them (sampler_helpers.prepare_sampling): the patcher's wrappers in transformer_options
         options = dict(patcher.model_options["transformer_options"], wrappers=patcher.wrappers)
@@ -163,6 +165,28 @@ def test_a_per_model_attention_override_is_refused_before_anything_is_sent(workf
         with pytest.raises(ValueError, match="per-model attention override"):
             w.step(node)
         assert sp.group.state == "ready" and sp.steps_run == 0
+    finally:
+        sp.close()
+        comfy.model_management.unload_all_models()
+
+
+def test_a_nan_timestep_and_more_ranks_than_rows_leave_the_group_ready(workflow):
+    """A NaN timestep runs as on one process (every rank plans from the same inputs: no preflight
+    mismatch); a layout with fewer packed rows than ranks is refused on rank 0 before anything is sent."""
+    import comfy.model_management
+    from comfy.ldm.minimax.model import PackedLayout
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    node = w.parallel(base, "cpu,cpu,cpu")
+    sp = _runner(node)
+    try:
+        native, sharded = w.step(base, sigma=float("nan")), w.step(node, sigma=float("nan"))
+        assert all(torch.isnan(s).all() == torch.isnan(n).all() for s, n in zip(sharded, native))
+        assert sp.group.state == "ready" and sp.steps_run == 1
+        with pytest.raises(ValueError, match="cannot split 2 packed rows over 3 GPUs: use at most 2 devices"):
+            w.step(node, layout=PackedLayout(1, 1, 2, 2, 0))
+        assert sp.group.state == "ready" and sp.steps_run == 1
+        assert _rel(w.step(node), w.step(base)) <= TOL
     finally:
         sp.close()
         comfy.model_management.unload_all_models()

@@ -165,7 +165,7 @@ def test_worker_killed_inside_a_collective_is_named_within_the_bound(tmp_path, c
         assert_restart_works(g, world=3)
 
 
-@pytest.mark.parametrize("world, rank", [(2, 1), (3, 2)])
+@pytest.mark.parametrize("world, rank", [pytest.param(2, 1, marks=pytest.mark.slow), (3, 2)])
 def test_worker_blocked_forever_inside_an_op_is_named_within_the_bound(tmp_path, world, rank):
     with ParallelGroup("hang", log_dir=str(tmp_path)) as g:
         g.start(["cpu"] * world, IMPORTS)
@@ -345,7 +345,7 @@ _EXIT_WITH_OP = textwrap.dedent("""
 """ % OPS_MODULE)
 
 
-@pytest.mark.parametrize("op", ["test.rank0_busy", "test.workers_sleep"])
+@pytest.mark.parametrize("op", ["test.rank0_busy", pytest.param("test.workers_sleep", marks=pytest.mark.slow)])
 def test_interpreter_exit_with_an_op_in_flight_tears_down_promptly(tmp_path, op):
     """rank 0 returns from main while an op runs on another thread: on a daemon thread (ComfyUI's prompt
     thread) whose rank-0 part computes, or on a non-daemon thread that waits in a collective. Either
