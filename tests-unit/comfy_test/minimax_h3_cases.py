@@ -86,6 +86,15 @@ def build_model(model_opts, seed=SEED, operations=comfy.ops.disable_weight_init,
             lin.weight = nn.Parameter(torch.empty(model_opts["pdd_heads"] * out_f, in_f), requires_grad=False)
             lin.bias = nn.Parameter(torch.empty(model_opts["pdd_heads"] * out_f), requires_grad=False)
     model.load_state_dict(seeded_weights(model, seed))
+    return own_patch_lists(model)
+
+
+def own_patch_lists(model):
+    # comfy.ops layers start with class-level weight_function / bias_function lists (ModelPatcher
+    # assigns its own per layer): give these models their own, so that no other test's append reaches them
+    for m in model.modules():
+        if hasattr(m, "weight_function"):
+            m.weight_function, m.bias_function = [], []
     return model
 
 
@@ -179,7 +188,7 @@ def controlnet_patches(model, control_latent, strength=0.7, seed=SEED):
                                   ffn_hidden_size=TINY["ffn_hidden_size"], time_embed_dim=TINY["time_embed_dim"],
                                   dtype=model.dtype, operations=comfy.ops.disable_weight_init).requires_grad_(False)
     control.load_state_dict(seeded_weights(control, seed + 1))
-    control.to(control_latent.device)
+    own_patch_lists(control).to(control_latent.device)
     state = {}
 
     def patch(args, extra):
