@@ -121,7 +121,7 @@ def main():
     diffusion = base.model.diffusion_model
     latent = EmptyMiniMaxH3LatentAV.execute(a.width, a.height, a.length).result[0]
     g = torch.Generator().manual_seed(a.seed)
-    text_dim = diffusion.text_dim
+    text_dim = diffusion.condition_proj.in_features
     positive = [[torch.randn(1, a.text_len, text_dim, generator=g), {}]]
     negative = [[torch.randn(1, a.text_len // 2, text_dim, generator=g), {}]]
     devices = [f"cuda:{i}" for i in range(a.ranks)] if a.device == "cuda" else ["cpu"] * a.ranks
