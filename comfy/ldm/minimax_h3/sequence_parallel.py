@@ -281,7 +281,7 @@ class SequenceParallel:
         logging.info("MiniMax H3 sequence parallel: %d ranks hold patch snapshot %s (sent %s)", self.world_size,
                      snapshot.describe(), self.last_sent)
 
-    def check(self, transformer_options, context, payload):
+    def check(self, transformer_options, payload):
         """Refuse, before anything is sent, what would run on rank 0's rows only or cannot be split."""
         blocks = sorted(str(k) for k in transformer_options.get("patches_replace", {}).get("dit", {}))
         wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
@@ -303,7 +303,7 @@ class SequenceParallel:
         if self.synced is None:
             raise snapshots.SnapshotNotAcked("no patch snapshot has been synced to the sequence-parallel ranks; "
                                              "call prepare() (the node does this before sampling) before running steps")
-        self.check(transformer_options, context, kwargs.get("minimax_payload") or {})
+        self.check(transformer_options, kwargs.get("minimax_payload") or {})
         tensors = {}
         args = encode_args({"x": list(x), "timestep": timestep, "context": context, "kwargs": kwargs}, "step", tensors)
         options = encode_args({k: transformer_options[k] for k in SENT_OPTIONS if transformer_options.get(k) is not None},
