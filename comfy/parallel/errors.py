@@ -1,21 +1,20 @@
-"""The errors of comfy.parallel. Their text is for people: a sentence or two, the rank, what to do, the log.
+"""The errors of comfy.parallel. Their text is for people: what happened, on which rank, what to do.
 
-``ParallelStateError``: a call in the wrong lifecycle state, nothing happened. ``PreflightMismatch``,
-``ParallelCancelled``: raised on every rank at one agreement point, the group stays ready (unless
-``group_broken``). ``ParallelGroupError`` (``ParallelTimeout``, ``ParallelOpError``): a rank died, hung or
-failed; the group is broken until ``close()`` and ``start()`` (``ensure_started()`` does both).
+``ParallelStateError``: a call in the wrong lifecycle state; nothing happened. ``ParallelOpError``,
+``PreflightMismatch``, ``ParallelCancelled``: the op ended on every rank and the group is ready for
+the next. ``ParallelGroupError`` (``ParallelTimeout``): a worker died, hung, stopped or broke the
+protocol; every worker was killed and the next ``start()`` makes new ones.
 """
 
 import signal
 
-RESTART_HINT = "close() and start() the group again (ensure_started() does both)"
-_EXIT_CODES = {3: " (it rejected a control frame)", 6: " (start-up failed; traceback in its log)", 7: " (traceback in its log)"}
+RESTART_HINT = "the next run starts new workers"
 
 
 def describe_exit(code):
     if code < 0:
         return f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else f'signal {-code}'}"
-    return f"exited with code {code}{_EXIT_CODES.get(code, '')}"
+    return f"exited with code {code}"
 
 
 class ParallelError(RuntimeError):
@@ -23,41 +22,34 @@ class ParallelError(RuntimeError):
 
 
 class ParallelStateError(ParallelError):
-    def __init__(self, message, state=None):
-        self.state = state
-        super().__init__(message)
+    pass
 
 
 class PreflightMismatch(ParallelError):
-    def __init__(self, message, values=()):
-        self.values = list(values)
-        super().__init__(message)
+    pass
 
 
 class ParallelCancelled(ParallelError):
-    def __init__(self, message, group_broken=False):
-        self.group_broken = group_broken
+    pass
+
+
+class ParallelOpError(ParallelError):
+    """An op raised on worker ``rank``; ``type_name`` and ``remote_traceback`` are its exception's (also in
+    the log). The group stays ready."""
+
+    def __init__(self, message, rank, type_name, remote_traceback):
+        self.rank, self.type_name, self.remote_traceback = rank, type_name, remote_traceback
         super().__init__(message)
 
 
 class ParallelGroupError(ParallelError):
-    """A rank failed; the group is broken. ``rank`` (0 = this process), ``exitcode`` (a worker's, or None),
-    ``log_path`` (that rank's log, whose end goes to this process's log, not into the text)."""
+    """A rank failed and the group is broken. ``rank``: the rank at fault (None if unknown), ``exitcode``: a
+    worker's exit code, or None."""
 
-    def __init__(self, reason, rank=None, exitcode=None, log_path=None, hint=RESTART_HINT, remote_traceback=""):
-        self.reason, self.rank, self.exitcode, self.log_path, self.hint = reason, rank, exitcode, log_path, hint
-        self.remote_traceback = remote_traceback
-        super().__init__(f"{reason}; {hint}." + (f" Log: {log_path}" if log_path else ""))
-
-    def again(self):
-        """The same fault, for a later call on the broken group."""
-        return type(self)(f"the parallel group is broken: {self.reason}", self.rank, self.exitcode, self.log_path, self.hint,
-                          self.remote_traceback)
+    def __init__(self, reason, rank=None, exitcode=None):
+        self.reason, self.rank, self.exitcode = reason, rank, exitcode
+        super().__init__(f"{reason}; {RESTART_HINT}")
 
 
 class ParallelTimeout(ParallelGroupError):
-    """A rank missed a deadline or did not reach a collective its peers waited in; it was killed."""
-
-
-class ParallelOpError(ParallelGroupError):
-    """An op raised on ``rank``; ``remote_traceback`` is its traceback (also in its log)."""
+    """A worker missed its op's deadline."""

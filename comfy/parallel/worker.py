@@ -1,16 +1,17 @@
-"""A worker: a headless ComfyUI running ops as rank r of a ParallelGroup, started by ``group.BOOT``.
+"""A worker: a headless process running ops as rank r of a ParallelGroup, started by ``group.BOOT``.
 
-It reads "hello", replies "booted", takes rank 0's ComfyUI args and ComfyUI's device start-up, imports
-the op modules, replies "connected", joins the process groups, probes, replies "ready", then serves
-"run" until "shutdown". It logs to stdout/stderr. Exit codes: 3 bad frame, 4 rank 0 gone, 6 start-up
-failed, 7 the worker loop failed."""
+It reads "hello", replies "booted", runs ComfyUI's start-up with rank 0's arguments when asked,
+imports the op modules, attaches the transport, replies "ready" with the fingerprints of the code it
+runs, then serves "run" until "shutdown". Its output goes to rank 0's log. It exits once rank 0
+closes its pipe or exits. Exit codes: 3 a bad frame, 4 rank 0 gone, 6 start-up failed, 7 the worker
+loop failed.
+"""
 
 import faulthandler
 import importlib
 import logging
 import os
 import queue
-import shutil
 import signal
 import sys
 import threading
@@ -18,61 +19,55 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 import comfy.cli_args
 import comfy.dynamic_vram
 
-from . import frames, ops
-from .errors import ParallelCancelled, PreflightMismatch
+from . import channel, ops
+from .errors import PreflightMismatch
+from .transport import HostTransport, OpAborted
 
 logger = logging.getLogger("comfy.parallel.worker")
 
 PARENT_POLL = 0.5
-_folder = [None]  # rank 0's private folder, which this worker removes if rank 0 dies
+HEARTBEAT = 0.2
 
 
 def _leave(code):
-    """Exit now: no atexit hooks, no process-group destructors that could wait on dead peers."""
-    if code == 4 and _folder[0] is not None:
-        shutil.rmtree(_folder[0], ignore_errors=True)
+    """Exit now: no exit handlers, nothing that could wait on a peer."""
     logging.shutdown()
     os._exit(code)
 
 
 class Worker:
     def __init__(self, rank, cmd_fd, reply_fd, hello):
-        self.rank, self.cmd_fd, self.reply_fd, self.hello, self.work, self.cancel_upto = rank, cmd_fd, reply_fd, hello, queue.Queue(), 0
+        self.rank, self.cmd_fd, self.reply_fd, self.hello, self.work = rank, cmd_fd, reply_fd, hello, queue.SimpleQueue()
 
     def send(self, kind, body):
         try:
-            frames.write(self.reply_fd, frames.encode(kind, body), 30.0)
+            channel.write(self.reply_fd, channel.encode(kind, body), 30.0)
         except (OSError, TimeoutError) as e:
             logger.error("cannot reply to rank 0 (%s); exiting", e)
             _leave(4)
 
     def read_commands(self):
-        """The control reader thread: "run"/"shutdown" become work, "cancel" the flag ctx.cancelled() reads."""
+        """The control reader thread: "run" and "shutdown" become work; the end of the pipe ends the process."""
         while True:
             try:
-                kind, body, tensors = frames.read(self.cmd_fd)
+                kind, body = channel.read(self.cmd_fd)
             except EOFError:
                 logger.warning("rank 0 closed the control channel (it exited or dropped the group); exiting")
                 _leave(4)
             except (OSError, ValueError) as e:
                 logger.error("rejected a control frame from rank 0: %s; exiting", e)
                 _leave(3)
-            if kind not in ("run", "cancel", "shutdown"):
+            if kind not in ("run", "shutdown"):
                 logger.error("unexpected %r frame after start-up; exiting", kind)
                 _leave(3)
-            if kind == "cancel":
-                self.cancel_upto = max(self.cancel_upto, body["id"])
-            else:
-                self.work.put((kind, body, tensors))
+            self.work.put((kind, body))
 
     def start(self):
         h = self.hello
-        _folder[0] = h["folder"]
         device = torch.device(h["device"])
         if h["comfyui_args"] is not None:
             _start_comfyui(h["comfyui_args"], cpu=device.type == "cpu")
@@ -81,47 +76,51 @@ class Worker:
             importlib.import_module(name)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.send("connected", {})
-        before, t = ops.open_fds(), h["timeouts"]
-        ctx = ops.OpContext(self.rank, h["world_size"], device, *ops.init_groups(h["store"], self.rank, h["world_size"], device,
-                                                                                 t["collective"], t["op"]))
-        ops.probe(ctx)
-        ops.seal_fds(before)
-        self.send("ready", {})
+        t = h["transport"]
+        transport = HostTransport(self.rank, h["world_size"], device, t["slot_bytes"], fd=t["fds"][0], bells=t["fds"][1:])
+        for fd in t["fds"]:
+            os.set_inheritable(fd, False)
+        threading.Thread(target=_beat, args=(transport,), name="parallel-heartbeat", daemon=True).start()
+        self.send("ready", {"fingerprints": ops.code_fingerprints(h["modules"])})
         logger.info("ready: rank %d of %d on %s", self.rank, h["world_size"], device)
-        return ctx
+        return ops.OpContext(self.rank, h["world_size"], device, transport)
 
     def serve(self, ctx):
         while True:
-            kind, body, tensors = self.work.get()
+            kind, body = self.work.get()
             if kind == "shutdown":
                 logger.info("shutdown requested by rank 0")
-                dist.destroy_process_group()
                 _leave(0)
-            self.send("result", self.run(ctx, body, tensors))
+            self.send("result", self.run(ctx, body))
 
-    def run(self, ctx, body, tensors):
-        op_id, name = body["id"], body["op"]
-        fn = ops._OPS.get(name)  # a missing op stops every rank in the preflight
-        ctx.op_id, ctx.op_name, ctx.cancel_requested = op_id, name, lambda: self.cancel_upto >= op_id
+    def run(self, ctx, body):
+        op_id, name, t = body["id"], body["op"], ctx.transport
+        ctx.op_id, ctx.op_name = op_id, name
+        t.begin_op(op_id, time.monotonic() + body["timeout"])
         try:
-            if ops.op_preflight(ctx, fn is not None, ctx.cancel_requested()):
-                raise ParallelCancelled(f"op {name!r} (id {op_id}) was cancelled before it started")
-            out = fn(ctx, {k: v.to(ctx.device) for k, v in tensors.items()}, body["meta"])
-            frames.check_json(out[1], f"the meta op {name!r} returned")
-            return {"id": op_id, "status": "ok", "meta": out[1]}
-        except ParallelCancelled:
-            logger.info("op %r (id %d) cancelled", name, op_id)
-            return {"id": op_id, "status": "cancelled", "meta": {}}
+            fn = ops.get_op(name)
+            value = fn(ctx, body["meta"])
+            channel.encode("result", {"value": value})  # JSON, or the op fails here
+            return {"id": op_id, "status": "ok", "value": value}
+        except OpAborted:
+            logger.info("op %r (id %d) aborted", name, op_id)
+            return {"id": op_id, "status": "aborted", "value": None}
         except PreflightMismatch as e:
             logger.warning("%s", e)
-            return {"id": op_id, "status": "mismatch", "meta": {}}
+            return {"id": op_id, "status": "mismatch", "value": None}
         except Exception as e:
+            t.abort(op_id)  # every rank leaves the op now
             logger.exception("op %r (id %d) raised", name, op_id)
-            return {"id": op_id, "status": "error", "meta": {}, "in_collective": ops.in_collective(e),
+            return {"id": op_id, "status": "error", "value": None,
                     "error": {"type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()[-16000:]}}
         finally:
-            ctx.cancel_requested = None
+            t.end_op()
+
+
+def _beat(transport):
+    while True:
+        transport.heartbeat()
+        time.sleep(HEARTBEAT)
 
 
 def _start_comfyui(values, cpu):
@@ -132,13 +131,14 @@ def _start_comfyui(values, cpu):
             return getattr(comfy.cli_args, v["enum"])(v["value"])
         if isinstance(v, dict) and set(v) == {"set"}:
             return {decode(x) for x in v["set"]}
+        if isinstance(v, list):
+            return [decode(x) for x in v]
         return v
     args = comfy.cli_args.args
     vars(args).update({k: decode(v) for k, v in values.items()})
     if cpu:
         args.cpu = True  # this worker's device; rank 0 may run on a GPU
     comfy.dynamic_vram.init_allocator()
-    # imports comfy.model_management, which reads the args: device, VRAM state, attention
     comfy.dynamic_vram.enable(comfy.cli_args.get_console_log_level(args.verbose))
 
 
@@ -153,18 +153,17 @@ def _watch_parent(parent_pid):
 
 def main(argv):
     rank, cmd_fd, reply_fd, parent_pid = (int(a) for a in argv)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format=f"%(asctime)s rank{rank} pid{os.getpid()} %(levelname)s %(name)s: %(message)s")
+    # the level first: rank 0 forwards WARNING and above to its own log
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # this process's children must not hold the pipes (rank 0 would not see this worker's exit as EOF)
     os.set_inheritable(cmd_fd, False)
     os.set_inheritable(reply_fd, False)
     os.set_blocking(reply_fd, False)
     faulthandler.enable()
-    # rank 0 sends SIGUSR1 before it kills a late worker that has replied "booted": the stacks go to the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
-        worker = Worker(rank, cmd_fd, reply_fd, frames.read(cmd_fd)[1])
+        worker = Worker(rank, cmd_fd, reply_fd, channel.read(cmd_fd)[1])
     except (EOFError, OSError, ValueError) as e:
         logger.error("no start-up frame from rank 0: %s", e)
         _leave(4)

@@ -1,60 +1,10 @@
 """Helpers shared by the parallel tests (a plain module: conftest modules are not importable by name)."""
 
 import os
-import socket
-import struct
 import time
-
-import sys
-import threading
-import traceback
-
-import torch
 
 OPS_MODULE = "parallel_ops_for_tests"
 IMPORTS = [OPS_MODULE]
-
-
-def assert_restart_works(g, world=2):
-    g.close()
-    assert g.state == "closed"
-    g.start(["cpu"] * world, IMPORTS)
-    assert g.run("test.echo", {"x": torch.arange(3)}).tensors["x"].tolist() == [0, 1, 2]
-    g.close()
-
-
-def blocked_threads():
-    """Threads (other than this one) whose stack is inside torch.distributed or a control-pipe write."""
-    out = []
-    for ident, frame in sys._current_frames().items():
-        if ident == threading.get_ident():
-            continue
-        stack = "".join(traceback.format_stack(frame))
-        if "torch/distributed" in stack or "comfy/parallel/frames.py" in stack:
-            out.append(stack)
-    return out
-
-
-class DeathClock:
-    """Records when worker ``rank`` of ``g`` dies (polling /proc from a thread)."""
-
-    def __init__(self, g, rank=1):
-        self.at = None
-        self._thread = threading.Thread(target=self._watch, args=(g, rank), daemon=True)
-        self._thread.start()
-
-    def _watch(self, g, rank):
-        pid = None
-        while pid is None:
-            pid = g.worker_pids().get(rank)
-            time.sleep(0.005)
-        while not pid_gone(pid):
-            time.sleep(0.005)
-        self.at = time.monotonic()
-
-    def join(self, timeout=30):
-        self._thread.join(timeout)
-        return self.at
 
 
 def child_pids(parent=None):
@@ -95,18 +45,9 @@ def wait_until(predicate, timeout, interval=0.02):
     return None
 
 
-def _decode_addr(hexaddr):
-    host, port = hexaddr.split(":")
-    raw = bytes.fromhex(host)
-    if len(raw) == 4:
-        return socket.inet_ntop(socket.AF_INET, raw[::-1]), int(port, 16)
-    words = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0]) for i in range(0, 16, 4))
-    return socket.inet_ntop(socket.AF_INET6, words), int(port, 16)
-
-
-def listening_sockets(pids):
-    """(address, port) of every listening TCP socket held by any of ``pids``."""
-    inodes = set()
+def sockets(pids):
+    """{pid: [socket inode, ...]} of every socket any of ``pids`` holds."""
+    out = {}
     for pid in pids:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
@@ -114,16 +55,21 @@ def listening_sockets(pids):
             except OSError:
                 continue
             if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-    out = []
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+                out.setdefault(pid, []).append(link[8:-1])
+    return out
+
+
+def listening(inodes):
+    """The rows of /proc/net/{tcp,tcp6,udp,udp6,unix} that listen (or are bound) on one of ``inodes``."""
+    found = []
+    for name, inode_col in (("tcp", 9), ("tcp6", 9), ("udp", 9), ("udp6", 9), ("unix", 6)):
         try:
-            with open(path) as f:
+            with open(f"/proc/net/{name}") as f:
                 rows = f.read().splitlines()[1:]
         except OSError:
             continue
         for row in rows:
             cols = row.split()
-            if cols[3] == "0A" and cols[9] in inodes:
-                out.append(_decode_addr(cols[1]))
-    return out
+            if len(cols) > inode_col and cols[inode_col] in inodes:
+                found.append((name, row))
+    return found
