@@ -1,0 +1,25 @@
+"""The op of test_minimax_h3_ulysses.py, which every rank of its comfy.parallel group runs (a plain module:
+the workers import it by name)."""
+
+import minimax_h3_cases as cases
+from comfy.ldm.minimax_h3.ulysses import UlyssesParallel
+from comfy.parallel import register_op
+
+OP = "minimax_h3_test.cases"
+
+
+@register_op(OP)
+def sharded_cases(ctx, meta):
+    """Every rank runs each case sharded; rank 0 also runs it natively -> {case: max rel diff}."""
+    report = {}
+    for name, (model_opts, opts) in cases.CASES.items():
+        if opts.get("block_patch") or opts.get("controlnet"):  # block patches index global rows: native only
+            continue
+        model = cases.build_model(model_opts, **meta["config"])
+        sp = UlyssesParallel(ctx.rank, ctx.world_size, model.blocks[0].attn.heads, ctx.transport,
+                             chunks=meta["chunks"], fp8=meta["fp8"])
+        sharded = cases.run_case(name, model=model, transformer_options={"minimax_h3_sequence_parallel": sp})
+        if ctx.rank == 0:
+            native = cases.run_case(name, model=model)
+            report[name] = max(float((s.float() - n.float()).abs().max() / n.float().abs().max()) for s, n in zip(sharded, native))
+    return report
