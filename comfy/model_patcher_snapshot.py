@@ -2,12 +2,11 @@
 
     snap = PatchSnapshot.capture(patcher, previous=synced)      # rank 0
     update = snap if synced is None else snap.diff(synced)      # a strength change carries no tensor
-    send(update.manifest, update.tensors)                       # JSON + {name: tensor}; or update.encode() -> (str, bytes)
-    update = read(manifest, tensors)                            # a worker; decode(text, data) for the bytes
+    send(update.manifest, update.tensors)                       # JSON + {name: tensor}
+    update = read(manifest, tensors)                            # a worker
     snap = update.apply_to(held)
     patcher = snap.to_patcher(base, digest)                     # checked before anything is written
     comfy.model_management.load_models_gpu([patcher])           # ComfyUI's own merge and backup policy
-    SnapshotAck(rank, *snap.version)                            # require_acks(snap, acks, world_size) on rank 0
 
 Manifest::
 
@@ -24,13 +23,10 @@ lineage); its version is (lineage, digest). Only diffusion model patches are cap
 """
 
 import concurrent.futures
-import dataclasses
 import hashlib
 import json
 import math
-from typing import Optional
 
-import safetensors.torch
 import torch
 
 import comfy.weight_adapter
@@ -237,10 +233,6 @@ class PatchSnapshot:
         return {"kind": "snapshot", "lineage": self.lineage, "compute_dtype": self.compute_dtype,
                 "force_cast_weights": self.force_cast_weights, "patches": self.patches}
 
-    def encode(self):
-        """-> (manifest JSON, safetensors bytes of the tensors), for a byte transport; ``decode`` reads them."""
-        return json.dumps(self.manifest, allow_nan=False), safetensors.torch.save({n: t.contiguous() for n, t in self.tensors.items()})
-
     def apply_to(self, held):
         """A full snapshot replaces whatever a worker holds."""
         return self
@@ -316,8 +308,6 @@ class SnapshotDelta:
                 "compute_dtype": self.compute_dtype, "force_cast_weights": self.force_cast_weights,
                 "patches": self.patches, "removed": self.removed}
 
-    encode = PatchSnapshot.encode
-
     def apply_to(self, held):
         """``held`` (the snapshot a worker holds) with this delta applied; raises SnapshotRefused when ``held`` is not the
         delta's base or the result is not the snapshot rank 0 diffed."""
@@ -353,39 +343,3 @@ def read(manifest, tensors):
     if manifest["kind"] == "snapshot":
         return PatchSnapshot(manifest["patches"], dict(tensors), *flags)
     return SnapshotDelta(manifest["patches"], manifest["removed"], dict(tensors), *flags, manifest["base"], manifest["digest"])
-
-
-def decode(text, data):
-    """``encode()``'s (manifest JSON, safetensors bytes) -> PatchSnapshot or SnapshotDelta, as ``read``."""
-    return read(json.loads(text), safetensors.torch.load(data))
-
-
-@dataclasses.dataclass(frozen=True)
-class SnapshotAck:
-    """What a rank reports after a sync: the version it holds, and why it refused the one sent, if it did."""
-
-    rank: int
-    lineage: int
-    digest: str
-    refused: Optional[str] = None
-
-    def to_json(self):
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, obj):
-        return cls(**obj)
-
-
-def require_acks(snapshot, acks, world_size):
-    """Raise SnapshotNotAcked naming every rank of 0..world_size-1 that did not ack ``snapshot``'s version."""
-    by_rank = {ack.rank: ack for ack in acks}
-    problems = []
-    for rank in range(world_size):
-        ack = by_rank.get(rank)
-        if ack is None:
-            problems.append(f"rank {rank}: no ack")
-        elif (ack.lineage, ack.digest) != snapshot.version:
-            problems.append(f"rank {rank} holds {ack.lineage}/{ack.digest[:12]}" + (f" ({ack.refused})" if ack.refused else ""))
-    if problems:
-        raise SnapshotNotAcked(f"not every rank holds patch version {snapshot.lineage}/{snapshot.digest[:12]}: {'; '.join(problems)}")

@@ -1,17 +1,15 @@
 """MiniMax H3 Sequence Parallel: run an H3 model's denoising steps sharded over several GPUs.
 
 The node attaches a SequenceParallel runner to a clone of the model. Workers belong to the base
-model and the device list: they start, and take the patch state of the patcher that samples (any
-LoRA loaders downstream included), while rank 0 loads that patcher (PREPARE_SAMPLING), and every
-rank has acked it before the first step (ON_PRE_RUN); new seeds and LoRA edits reuse them. They end
-when ComfyUI unloads the model or frees it.
+model and the GPUs: they start, and load the checkpoint, while rank 0 loads its own copy
+(PREPARE_SAMPLING); every rank holds the patch state of the patcher that samples (any LoRA loaders
+downstream included) before the first step (ON_PRE_RUN); new seeds and LoRA edits reuse them. They
+end when ComfyUI unloads the model or frees it.
 """
 
 import logging
 import sys
 import weakref
-
-import torch
 
 import comfy.model_management
 import comfy.patcher_extension
@@ -19,69 +17,58 @@ from comfy.ldm.minimax.model import MiniMaxH3Model
 from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel, loader_call
 from comfy_api.latest import ComfyExtension, io
 
-# base model (shared by every clone of it) -> {devices: SequenceParallel}
+KEY = "minimax_h3_sequence_parallel"
+# base model (shared by every clone of it) -> {(devices, fp8 exchange): SequenceParallel}: the workers
+# are to a base model what ComfyUI's loaded models are to a checkpoint, and end with it
 _RUNNERS = weakref.WeakKeyDictionary()
 
 
-def devices_from_text(text):
-    """'auto' -> every device ComfyUI sees; else a comma list such as 'cuda:0,cuda:1' (or 'cpu,cpu' on a CPU run)."""
-    text = text.strip()
-    if text == "auto":
-        devices = [str(d) for d in comfy.model_management.get_all_torch_devices()]
-        if len(devices) < 2:
-            raise ValueError(f"'auto' found {len(devices)} device(s) ({', '.join(devices) or 'none'}); sequence "
-                             "parallelism needs at least 2 GPUs. List devices explicitly, e.g. 'cuda:0,cuda:1'")
-        return devices
-    devices = [torch.device(d.strip()) for d in text.split(",") if d.strip()]
-    if len(devices) < 2:
-        raise ValueError(f"devices {text!r} names {len(devices)} device(s); give at least 2, e.g. 'cuda:0,cuda:1'")
-    found = torch.cuda.device_count()
-    missing = [str(d) for d in devices if d.type == "cuda" and (d.index or 0) >= found]
-    if missing:
-        raise ValueError(f"devices {', '.join(missing)} do not exist: this machine has {found} CUDA GPU(s)"
-                         + (f" (cuda:0 to cuda:{found - 1})" if found else "") + "; list only GPUs it has")
-    return [str(d) for d in devices]
+def devices_for(max_gpus, heads):
+    """ComfyUI's device first, then the other GPUs ComfyUI sees, at most ``max_gpus`` and one per head."""
+    first = comfy.model_management.get_torch_device()
+    others = list(comfy.model_management.get_all_torch_devices())
+    if first in others:
+        others.remove(first)
+    return [first] + others[:max(0, min(max_gpus, heads) - 1)]
 
 
-def runner_for(model, devices):
+def runner_for(model, devices, fp8_exchange):
     """The SequenceParallel of ``model``'s base model on ``devices``, made on first use."""
     base = model.model
     runners = _RUNNERS.setdefault(base, {})
-    key = tuple(devices)
+    key = (tuple(str(d) for d in devices), fp8_exchange)
     if key not in runners:
-        sp = runners[key] = SequenceParallel(devices, loader_call(model))
+        sp = runners[key] = SequenceParallel([str(d) for d in devices], loader_call(model), fp8_exchange=fp8_exchange)
         weakref.finalize(base, sp.close)
     return runners[key]
 
 
 def refuse_multigpu_clones(model):
-    # MultiGPU CFG Split runs cond units in threads on full model copies; those would share this
-    # process's one torch.distributed group with the sharded steps
     if model.get_additional_models_with_key("multigpu"):
         raise ValueError("MiniMax H3 Sequence Parallel cannot be combined with MultiGPU CFG Split on the same model: "
-                         "remove one of the two nodes (sequence parallelism already uses every listed GPU for each "
-                         "cond and uncond step)")
+                         "remove one of the two nodes (sequence parallelism already uses every GPU for each cond and uncond step)")
 
 
-def attach(model, devices):
-    """A clone of ``model`` whose H3 steps run on ``devices`` (rank 0 = this process, devices[0])."""
-    if not sys.platform.startswith("linux"):
-        raise RuntimeError(f"MiniMax H3 Sequence Parallel runs on Linux only (this is {sys.platform}): its workers "
-                           "inherit private pipes and use NCCL")
+def attach(model, max_gpus, fp8_exchange=False):
+    """A clone of ``model`` whose H3 steps run on up to ``max_gpus`` devices (rank 0 = ComfyUI's), or ``model``
+    itself where there is one device or the platform has no worker processes."""
     diffusion = model.model.diffusion_model
     if not isinstance(diffusion, MiniMaxH3Model):
         raise ValueError(f"MiniMax H3 Sequence Parallel needs a MiniMax H3 model, got {type(diffusion).__name__}")
-    if torch.device(devices[0]) != torch.device(comfy.model_management.get_torch_device()):
-        raise ValueError(f"the first device must be the one ComfyUI runs on ({comfy.model_management.get_torch_device()}), "
-                         f"got {devices[0]}")
+    devices = devices_for(max_gpus, diffusion.blocks[0].attn.heads)
+    if len(devices) < 2:
+        logging.info("MiniMax H3 Sequence Parallel: %d device(s) to use, running on %s alone", len(devices), devices[0])
+        return model
+    if not sys.platform.startswith("linux"):
+        logging.warning("MiniMax H3 Sequence Parallel runs on Linux only; running on %s alone", devices[0])
+        return model
     refuse_multigpu_clones(model)
-    sp = runner_for(model, devices)
+    sp = runner_for(model, devices, fp8_exchange)
     m = model.clone()
 
     def prepare_sampling(executor, patcher, *args, **kwargs):
-        # the workers start and take the patch state while rank 0 loads and patches its own copy
         refuse_multigpu_clones(patcher)
-        sp.prepare_in_background(patcher)
+        sp.start_workers(patcher)  # they load while rank 0 does, below
         return executor(patcher, *args, **kwargs)
 
     def on_pre_run(patcher):
@@ -94,8 +81,8 @@ def attach(model, devices):
             logging.info("MiniMax H3 sequence parallel: model unloaded, closing %d worker(s)", len(devices) - 1)
             sp.close()
 
-    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, "minimax_h3_sequence_parallel", prepare_sampling)
-    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "minimax_h3_sequence_parallel", sp)
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY, prepare_sampling)
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY, sp)
     m.add_callback(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, on_pre_run)
     m.add_callback(comfy.patcher_extension.CallbacksMP.ON_DETACH, on_detach)
     return m
@@ -108,20 +95,23 @@ class MiniMaxH3SequenceParallel(io.ComfyNode):
             node_id="MiniMaxH3SequenceParallel",
             display_name="MiniMax H3 Sequence Parallel",
             category="model/patch/minimax",
-            description="Shard each MiniMax H3 denoising step over several GPUs (Ulysses sequence parallelism). "
-                        "Place it right after the model loader; LoRAs applied downstream are synced to every GPU.",
+            description="Shard each MiniMax H3 denoising step over several GPUs (Ulysses sequence parallelism; Linux). "
+                        "Place it right after the model loader; LoRAs applied downstream are synced to every GPU. "
+                        "With one GPU it passes the model through.",
             inputs=[
                 io.Model.Input("model"),
-                io.String.Input("devices", default="auto",
-                                tooltip="'auto' for every GPU ComfyUI sees, or a list such as 'cuda:0,cuda:1'; "
-                                        "the first is the GPU ComfyUI runs on"),
+                io.Int.Input("max_gpus", default=2, min=1, max=56, step=1,
+                             tooltip="GPUs to shard over: the one ComfyUI runs on, then the next ones it sees"),
+                io.Boolean.Input("fp8_exchange", default=False,
+                                 tooltip="Exchange attention data between GPUs in scaled fp8: half the traffic, "
+                                         "slightly different output"),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model, devices) -> io.NodeOutput:
-        return io.NodeOutput(attach(model, devices_from_text(devices)))
+    def execute(cls, model, max_gpus, fp8_exchange) -> io.NodeOutput:
+        return io.NodeOutput(attach(model, max_gpus, fp8_exchange))
 
 
 class MiniMaxH3ParallelExtension(ComfyExtension):

@@ -1,9 +1,10 @@
-"""The "MiniMax H3 Sequence Parallel" node inside a real ComfyUI (CPU, gloo).
+"""The "MiniMax H3 Sequence Parallel" node inside a real ComfyUI (CPU worker processes).
 
 ComfyUI's own loader nodes, LoRA loader, ModelPatcher and sampler drive the node as a workflow does;
 every result is compared with the same workflow without the node. Workers are headless ComfyUI
 processes that rebuild the model with rank 0's loader call and take the patches through ComfyUI's
-patch path, so a case passes only if that rebuild matches rank 0 for its weight format.
+patch path, so a case passes only if that rebuild matches rank 0 for its weight format. The tests
+give the node CPU "GPUs" by replacing comfy.model_management's device list.
 
 Tolerance: max |sharded - native| <= 1e-5 * max |native|. On the CPU every format computes in fp32
 (ComfyUI casts bf16 and fp8 weights up), and sharding only changes which rank computes which rows and
@@ -23,13 +24,13 @@ from comfy.cli_args import args
 if not torch.cuda.is_available():
     args.cpu = True
 
+import comfy.model_management  # noqa: E402
 import comfy.patcher_extension  # noqa: E402
 from h3_files import TINY_CONFIG, lora_state_dict, step_inputs, write_h3_file  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the node's worker processes run on Linux")
+SLOW = pytest.mark.skipif(not os.environ.get("COMFY_TEST_SLOW"), reason="set COMFY_TEST_SLOW=1")
 TOL = 1e-5
-
-
 LORA_KEYS = len(lora_state_dict(TINY_CONFIG)) // 3  # up, down, alpha per weight
 
 
@@ -54,8 +55,8 @@ class Workflow:
     def lora(self, model, strength, name="lora.safetensors"):
         return self.nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, strength)[0]
 
-    def parallel(self, model, devices):
-        return self.sp_node.MiniMaxH3SequenceParallel.execute(model, devices).result[0]
+    def parallel(self, model, gpus, fp8_exchange=False):
+        return self.sp_node.MiniMaxH3SequenceParallel.execute(model, gpus, fp8_exchange).result[0]
 
     def compute_dtype(self, model, dtype):
         return self.advanced.ModelComputeDtype().patch(model, dtype)[0]
@@ -74,18 +75,16 @@ class Workflow:
         return out.unbind() if out.is_nested else [out]
 
     @staticmethod
-    def step(patcher, seed=0, sigma=0.6, layout=None):
-        import comfy.model_management
+    def step(patcher, seed=0, sigma=0.6, layout=None, inputs=None):
         comfy.model_management.load_models_gpu([patcher])
         patcher.pre_run()
-        x, t, c, p = step_inputs(TINY_CONFIG, "keyframes", seed=seed, height=5, sigma=sigma)
+        x, t, c, p = inputs or step_inputs(TINY_CONFIG, "keyframes", seed=seed, height=5, sigma=sigma)
         if layout is not None:
             p["layout"] = layout
         c = c.to(patcher.model.get_dtype_inference())
         # as sampling merges them (sampler_helpers.prepare_sampling): the patcher's wrappers in transformer_options
         options = dict(patcher.model_options["transformer_options"], wrappers=patcher.wrappers)
-        with torch.no_grad():
-            return patcher.model.diffusion_model(x, t, c, transformer_options=options, minimax_payload=p)
+        return patcher.model.diffusion_model(x, t, c, transformer_options=options, minimax_payload=p)
 
 
 def _rel(a, b):
@@ -103,15 +102,21 @@ def workflow(tmp_path, monkeypatch):
         (tmp_path / kind).mkdir()
         monkeypatch.setitem(folder_paths.folder_names_and_paths, kind, ([str(tmp_path / kind)], folder_paths.supported_pt_extensions))
     monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    # the node shards over the devices ComfyUI sees: here up to 3 CPU ranks
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(comfy.model_management, "get_torch_device", lambda: cpu)
+    monkeypatch.setattr(comfy.model_management, "get_all_torch_devices", lambda exclude_current=False: [cpu] * 3)
     write_h3_file(str(tmp_path / "diffusion_models" / "h3_fp32.safetensors"), TINY_CONFIG, seed=2)
-    write_h3_file(str(tmp_path / "diffusion_models" / "h3_bf16.safetensors"), TINY_CONFIG, seed=2, dtype=torch.bfloat16)
-    write_h3_file(str(tmp_path / "diffusion_models" / "h3_scaled_fp8.safetensors"), TINY_CONFIG, seed=2, fmt="scaled_fp8")
     save_file(lora_state_dict(TINY_CONFIG), str(tmp_path / "loras" / "lora.safetensors"))
-    return Workflow(tmp_path)
+    yield Workflow(tmp_path)
+    comfy.model_management.unload_all_models()
 
 
 def _formats(w):
     """(name, base model, native-side transform, weight dtype that must be loaded) per weight format."""
+    write_h3_file(str(w.root / "diffusion_models" / "h3_bf16.safetensors"), TINY_CONFIG, seed=2, dtype=torch.bfloat16)
+    write_h3_file(str(w.root / "diffusion_models" / "h3_scaled_fp8.safetensors"), TINY_CONFIG, seed=2, fmt="scaled_fp8")
+
     def bf16_fp32_compute(m):
         return w.compute_dtype(m, "fp32")
     return [
@@ -123,16 +128,15 @@ def _formats(w):
     ]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_node_matches_the_workflow_without_it_for_every_weight_format(workflow, world, monkeypatch):
-    import comfy.model_management
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=SLOW)])
+def test_node_matches_the_workflow_without_it_for_every_weight_format(workflow, world):
     w = workflow
     natives = {}
     for name, load, extra, weight_dtype in _formats(w):
         base = load()
         if weight_dtype is not None:
             assert base.model.diffusion_model.blocks[0].attn.qkv_proj.weight.dtype == weight_dtype, name
-        node = w.parallel(base, ",".join(["cpu"] * world))
+        node = w.parallel(base, world)
         if extra is not None:
             base, node = extra(base), extra(node)
         sp = _runner(node)
@@ -156,57 +160,111 @@ def test_node_matches_the_workflow_without_it_for_every_weight_format(workflow, 
         assert _rel(out, first) > 1e-4, f"{name} computes exactly what the first format does: the format was not applied"
 
 
-def test_a_per_model_attention_override_is_refused_before_anything_is_sent(workflow):
-    import comfy.model_management
+def test_one_gpu_or_one_allowed_passes_the_model_through(workflow, monkeypatch):
     w = workflow
-    node = w.attention(w.parallel(w.unet("h3_fp32.safetensors"), "cpu,cpu"), "pytorch attention")
+    base = w.unet("h3_fp32.safetensors")
+    assert w.parallel(base, 1) is base
+    monkeypatch.setattr(comfy.model_management, "get_all_torch_devices", lambda exclude_current=False: [torch.device("cpu")])
+    assert w.parallel(base, 8) is base
+
+
+def test_the_node_caps_its_ranks_at_max_gpus_and_the_devices_comfyui_sees(workflow):
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    assert _runner(w.parallel(base, 2)).world_size == 2
+    assert _runner(w.parallel(base, 8)).world_size == 3  # the fixture's machine has 3 devices
+
+
+def test_step_inputs_travel_once_per_sampling_run_and_control_frames_stay_small(workflow, monkeypatch):
+    """KSampler at cfg > 1: after the first cond and uncond call, a call sends through the transport only
+    what changed since (the latents, the timestep, the sigmas of the step); the context, payload and
+    sample sigmas of the run stay on the workers. No tensor crosses a control pipe: each call's frames
+    are a few KB of JSON."""
+    from comfy.parallel import channel
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    node = w.parallel(base, 2)
     sp = _runner(node)
+    frames, calls = [], []
+    w.step(node)  # the workers start with the code as imported; the count below replaces a function of it
+    write = channel.write
+    monkeypatch.setattr(channel, "write", lambda fd, data, timeout: (frames.append(len(data)), write(fd, data, timeout))[1])
+    run = sp.group.run
+
+    def recorded(op, meta=None, timeout=None):
+        before = len(frames)
+        result = run(op, meta, timeout)
+        if op.endswith("forward"):
+            calls.append((sp.inputs.last_paths, sum(frames[before:])))
+        return result
     try:
-        with pytest.raises(ValueError, match="per-model attention override"):
-            w.step(node)
-        assert sp.group.state == "ready" and sp.steps_run == 0
+        sp.group.run = recorded
+        sharded = w.sample(node, steps=4)
+        native = w.sample(base, steps=4)
     finally:
         sp.close()
-        comfy.model_management.unload_all_models()
+    assert len(calls) == 8 and _rel(sharded, native) <= TOL
+    first, later = {p for paths, _ in calls[:2] for p in paths}, [set(paths) for paths, _ in calls[2:]]
+    assert {"step.context", "options.sample_sigmas"} <= first, first
+    per_step = {"step.x[0]", "step.x[1]", "step.timestep", "options.sigmas"}
+    assert all(paths <= per_step for paths in later) and any(later)
+    assert all(nbytes < 16384 for _, nbytes in calls), [n for _, n in calls]
 
 
-def test_a_nan_timestep_and_more_ranks_than_rows_leave_the_group_ready(workflow):
-    """A NaN timestep runs as on one process (every rank plans from the same inputs: no preflight
-    mismatch); a layout with fewer packed rows than ranks is refused on rank 0 before anything is sent."""
-    import comfy.model_management
+def test_bad_inputs_fail_as_on_one_process_and_leave_the_group_ready(workflow):
+    """What the single-process model refuses is refused alike (same exception type) and the next good
+    step runs on the same workers; a NaN timestep runs as on one process; more ranks than packed rows
+    are refused on rank 0 before anything is sent."""
     from comfy.ldm.minimax.model import PackedLayout
     w = workflow
     base = w.unet("h3_fp32.safetensors")
-    node = w.parallel(base, "cpu,cpu,cpu")
+    node = w.parallel(base, 3)
     sp = _runner(node)
+
+    def inputs(change):
+        x, t, c, p = step_inputs(TINY_CONFIG, "keyframes", seed=0, height=5)
+        return change(x, t, c, p) or (x, t, c, p)
+
+    bad = {
+        "a video latent with 23 channels": lambda x, t, c, p: ([x[0][:, :23], x[1]], t, c, p),
+        "a mono audio latent": lambda x, t, c, p: ([x[0], x[1][:, :, :1]], t, c, p),
+        "a batch of 2": lambda x, t, c, p: ([x[0].repeat(2, 1, 1, 1, 1), x[1].repeat(2, 1, 1, 1)], t, c, p),
+        "a context of width 7": lambda x, t, c, p: (x, t, c[..., :7], p),
+        "a payload seed of 2**70": lambda x, t, c, p: p.update(seed=2 ** 70),
+    }
     try:
+        good = w.step(node)
+        pids = sp.group.worker_pids()
+        for what, change in bad.items():
+            try:
+                w.step(base, inputs=inputs(change))
+                native = None
+            except Exception as e:
+                native = e
+            try:
+                w.step(node, inputs=inputs(change))
+                sharded = None
+            except Exception as e:
+                sharded = e
+            assert type(sharded) is type(native), (what, native, sharded)
+            assert sp.group.state == "ready" and sp.group.worker_pids() == pids, what
         native, sharded = w.step(base, sigma=float("nan")), w.step(node, sigma=float("nan"))
         assert all(torch.isnan(s).all() == torch.isnan(n).all() for s, n in zip(sharded, native))
-        assert sp.group.state == "ready" and sp.steps_run == 1
         with pytest.raises(ValueError, match="cannot split 2 packed rows over 3 GPUs: use at most 2 devices"):
             w.step(node, layout=PackedLayout(1, 1, 2, 2, 0))
-        assert sp.group.state == "ready" and sp.steps_run == 1
-        assert _rel(w.step(node), w.step(base)) <= TOL
+        assert sp.group.state == "ready" and sp.group.worker_pids() == pids
+        assert _rel(w.step(node), w.step(base)) <= TOL and _rel(good, w.step(base)) <= TOL
     finally:
         sp.close()
-        comfy.model_management.unload_all_models()
-
-
-def test_listing_more_gpus_than_the_machine_has_is_refused_before_any_process_starts(workflow, monkeypatch):
-    from comfy_extras import nodes_minimax_h3_parallel
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match="devices cuda:1, cuda:2 do not exist: this machine has 1 CUDA GPU"):
-        nodes_minimax_h3_parallel.devices_from_text("cuda:0,cuda:1,cuda:2")
 
 
 def test_sampling_again_and_lora_edits_reuse_the_workers_and_unload_ends_them(workflow):
-    import comfy.model_management
     w = workflow
-    node = w.parallel(w.unet("h3_fp32.safetensors"), "cpu,cpu,cpu")
+    node = w.parallel(w.unet("h3_fp32.safetensors"), 3)
     sp = _runner(node)
     lora = w.lora(node, 0.8)
     w.step(lora, seed=0)
-    pids, log_dir = sp.group.worker_pids(), sp.group.log_dir
+    pids = sp.group.worker_pids()
     assert len(pids) == 2 and sp.last_sent["kind"] == "snapshot" and sp.last_sent["tensor_bytes"] > 0
     w.step(lora, seed=1)  # new seed: nothing to send
     assert sp.last_sent is None and sp.group.worker_pids() == pids
@@ -222,26 +280,23 @@ def test_sampling_again_and_lora_edits_reuse_the_workers_and_unload_ends_them(wo
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert not os.path.exists(log_dir) or os.listdir(log_dir) == []
 
 
 def test_workers_that_would_run_the_model_differently_are_refused_before_any_step(workflow, monkeypatch):
-    from comfy.ldm.minimax_h3 import sequence_parallel
-    real = sequence_parallel.describe
-    monkeypatch.setattr(sequence_parallel, "describe", lambda patcher: dict(real(patcher), model_dtype="torch.float16"))
+    """Rank 0 reports another torch than the workers import (as a worker on another install would)."""
+    monkeypatch.setattr(torch, "__version__", "0.0.0-rank0")
     w = workflow
-    node = w.parallel(w.unet("h3_fp32.safetensors"), "cpu,cpu")
+    node = w.parallel(w.unet("h3_fp32.safetensors"), 2)
     sp = _runner(node)
-    with pytest.raises(ValueError, match="rank 1 does not run the model as rank 0 does \\(model_dtype: "):
+    with pytest.raises(ValueError, match="rank 1 does not run the model as rank 0 does \\(torch: rank 0 '0.0.0-rank0'"):
         w.step(node)
     assert sp.group.state == "closed" and sp.synced is None
 
 
 def test_ksampler_with_cfg_and_a_lora_downstream_equals_the_workflow_without_the_node(workflow):
-    import comfy.model_management
     w = workflow
     base = w.unet("h3_fp32.safetensors")
-    node = w.parallel(base, "cpu,cpu")
+    node = w.parallel(base, 2)
     runs = []
     try:
         for model in (w.lora(base, 0.8), w.lora(node, 0.8)):
@@ -250,89 +305,86 @@ def test_ksampler_with_cfg_and_a_lora_downstream_equals_the_workflow_without_the
         assert _runner(node).steps_run == 2 * 3  # cond and uncond of every step ran sharded
     finally:
         _runner(node).close()
-        comfy.model_management.unload_all_models()
     native, sharded = runs
     assert _rel(sharded, native) <= TOL
     assert float(native[0].abs().max()) > 0
 
 
-def test_interrupt_during_a_sharded_step_stops_sampling_and_keeps_the_workers(workflow):
-    """ComfyUI's interrupt arrives while rank 0 computes its share of step 2 (set from inside the op, so
-    no timing is guessed): sampling stops with InterruptProcessingException after that step, the same
-    workers stay ready, and the next run equals the workflow without the node."""
-    import comfy.model_management
+def test_interrupt_during_a_sharded_step_stops_sampling_and_keeps_the_workers(workflow, monkeypatch):
+    """ComfyUI's interrupt arrives while rank 0 computes its share of step 2 (set from inside rank 0's
+    forward, so no timing is guessed): ComfyUI's ops raise InterruptProcessingException mid-step, every
+    rank leaves the step, the same workers stay ready, and the next run equals the workflow without the node."""
+    from comfy.ldm.minimax.model import MiniMaxH3Model
     w = workflow
     base = w.unet("h3_fp32.safetensors")
-    node = w.parallel(base, "cpu,cpu")
+    node = w.parallel(base, 2)
     sp = _runner(node)
-    run = sp.group.run
+    forward = MiniMaxH3Model._forward
 
-    def interrupted_on_the_second_step(op, tensors, meta):
-        if op.endswith("forward") and sp.steps_run == 1:
+    def interrupted_on_the_second_step(self, *args, **kwargs):
+        if sp.steps_run == 1 and kwargs.get("transformer_options", args[3] if len(args) > 3 else {}).get("minimax_h3_sequence_parallel"):
             comfy.model_management.interrupt_current_processing()
-        return run(op, tensors, meta)
+        return forward(self, *args, **kwargs)
 
     try:
-        sp.group.run = interrupted_on_the_second_step
+        w.step(node)  # the workers start with the model code as imported, before it is replaced here
+        sp.steps_run = 0
+        monkeypatch.setattr(MiniMaxH3Model, "_forward", interrupted_on_the_second_step)
         with pytest.raises(comfy.model_management.InterruptProcessingException):
             w.sample(node)
-        del sp.group.run
-        assert sp.steps_run == 2 and sp.group.state == "ready"
+        monkeypatch.setattr(MiniMaxH3Model, "_forward", forward)
+        assert sp.steps_run == 1 and sp.group.state == "ready"
         pids = sp.group.worker_pids()
         assert not comfy.model_management.processing_interrupted()
         again, native = w.sample(node), w.sample(base)
-        assert sp.group.worker_pids() == pids and sp.steps_run == 2 + 6
+        assert sp.group.worker_pids() == pids and sp.steps_run == 1 + 6
     finally:
         comfy.model_management.interrupt_current_processing(False)
         sp.close()
-        comfy.model_management.unload_all_models()
     assert _rel(again, native) <= TOL
 
 
 def test_a_checkpoint_replaced_on_disk_after_rank0_loaded_it_is_refused_before_any_step(workflow):
     """Same file name, same shapes (so the same safetensors header), other weights: the workers would load
-    the new file, rank 0 holds the old one. The base-weights fingerprint refuses before any step."""
-    import comfy.model_management
+    the new file, rank 0 holds the old one. The file's identity (size, mtime, inode) refuses it."""
+    from comfy.parallel import ParallelOpError
     w = workflow
     base = w.unet("h3_fp32.safetensors")
+    node = w.parallel(base, 2)
     path = str(w.root / "diffusion_models" / "h3_fp32.safetensors")
     write_h3_file(path + ".new", TINY_CONFIG, seed=5)
     os.replace(path + ".new", path)
-    node = w.parallel(base, "cpu,cpu")
     sp = _runner(node)
     try:
-        with pytest.raises(ValueError, match="rank 1 does not run the model as rank 0 does \\(weights_sha256: .*load the model again"):
+        with pytest.raises(ParallelOpError, match="changed on disk since rank 0 loaded it; load the model again"):
             w.step(node)
         assert sp.group.state == "closed" and sp.group.worker_pids() == {}
     finally:
         sp.close()
-        comfy.model_management.unload_all_models()
 
 
-def test_an_ack_for_another_patch_state_stops_the_run_and_the_next_run_resends(workflow):
-    """LoRA 0.8 runs; a worker then answers the sync of LoRA 0.5 with another digest (same lineage): it holds
-    0.5 but is not trusted, sampling is refused and nothing counts as synced. Going back to 0.8 must resend
-    the full snapshot (a runner that still recorded 0.8 as synced would skip it and run on 0.5)."""
+def test_a_worker_that_reports_another_patch_state_stops_the_run_and_the_next_run_resends(workflow):
+    """LoRA 0.8 runs; a worker then reports another version for the sync of LoRA 0.5: sampling is refused
+    and nothing counts as synced. Going back to 0.8 must resend the full snapshot (a runner that still
+    recorded 0.8 as synced would skip it and run on 0.5)."""
     import dataclasses
-    import comfy.model_management
     from comfy.model_patcher_snapshot import SnapshotNotAcked
     w = workflow
     base = w.unet("h3_fp32.safetensors")
-    node = w.parallel(base, "cpu,cpu")
+    node = w.parallel(base, 2)
     sp = _runner(node)
     run = sp.group.run
 
-    def forged_ack(op, tensors, meta):
-        result = run(op, tensors, meta)
+    def forged(op, meta=None, timeout=None):
+        result = run(op, meta, timeout)
         if op.endswith("patches"):
-            ack = dict(result.metas[1]["ack"], digest="0" * 64)
-            result = dataclasses.replace(result, metas=[result.metas[0], {**result.metas[1], "ack": ack}])
+            result = dataclasses.replace(result, values=[None, {"version": [result.values[1]["version"][0], "0" * 64]}])
         return result
 
     try:
         w.sample(w.lora(node, 0.8), steps=1)
-        sp.group.run = forged_ack
-        with pytest.raises(SnapshotNotAcked, match="rank 1 holds 2/000000000000"):
+        sp.group.run = forged
+        with pytest.raises(SnapshotNotAcked, match="ranks \\[1\\] do not hold patch version"):
             w.sample(w.lora(node, 0.5), steps=1)
         assert sp.synced is None and sp.steps_run == 2
         del sp.group.run
@@ -340,21 +392,19 @@ def test_an_ack_for_another_patch_state_stops_the_run_and_the_next_run_resends(w
         assert sp.last_sent["kind"] == "snapshot" and sp.last_sent["tensor_bytes"] > 0
     finally:
         sp.close()
-        comfy.model_management.unload_all_models()
     assert _rel(again, native) <= TOL
 
 
 def test_multigpu_cfg_split_on_the_same_model_is_refused_before_or_after_the_node(workflow):
     """MultiGPU CFG Split marks its model with 'multigpu' additional models (one full copy per extra GPU);
     the node refuses such a model as input, and at sampling time when the split was added downstream."""
-    import comfy.model_management
     w = workflow
     base = w.unet("h3_fp32.safetensors")
     split = base.clone()
     split.set_additional_models("multigpu", [base.clone()])
     with pytest.raises(ValueError, match="cannot be combined with MultiGPU CFG Split"):
-        w.parallel(split, "cpu,cpu")
-    node = w.parallel(base, "cpu,cpu")
+        w.parallel(split, 2)
+    node = w.parallel(base, 2)
     downstream = node.clone()
     downstream.set_additional_models("multigpu", [base.clone()])
     try:
@@ -363,26 +413,24 @@ def test_multigpu_cfg_split_on_the_same_model_is_refused_before_or_after_the_nod
         assert _runner(node).group.state == "idle"
     finally:
         _runner(node).close()
-        comfy.model_management.unload_all_models()
 
 
-def test_workers_take_the_patch_state_while_rank0_loads_its_model(workflow, monkeypatch):
-    """The patch sync is sent while rank 0's own load_models_gpu runs, so a LoRA change costs the larger of
-    the two, not their sum. Here rank 0's load waits until the sync has started: with the sync sent only
-    after that load (ON_PRE_RUN), it would never start and the wait would run out."""
+def test_workers_start_and_load_while_rank0_loads_its_model(workflow, monkeypatch):
+    """The workers' start and checkpoint load begin before rank 0's own load_models_gpu, so a cold start
+    costs the larger of the two, not their sum. Here rank 0's load waits until the workers' setup op has
+    begun: were it started only after that load, it never would, and the wait would run out."""
     import threading
-    import comfy.model_management
     w = workflow
     base = w.unet("h3_fp32.safetensors")
-    node = w.parallel(base, "cpu,cpu")
+    node = w.parallel(base, 2)
     sp = _runner(node)
     started, waited = threading.Event(), []
     run, load = sp.group.run, comfy.model_management.load_models_gpu
 
-    def watched_run(op, tensors, meta):
-        if op.endswith("patches"):
+    def watched_run(op, meta=None, timeout=None):
+        if op.endswith("setup"):
             started.set()
-        return run(op, tensors, meta)
+        return run(op, meta, timeout)
 
     def rank0_load(models, *args, **kwargs):
         if any(getattr(m, "model", None) is base.model for m in models):
@@ -395,8 +443,8 @@ def test_workers_take_the_patch_state_while_rank0_loads_its_model(workflow, monk
         sharded = w.sample(w.lora(node, 0.8), steps=2)
         assert waited and all(waited) and sp.steps_run == 2 * 2
         del sp.group.run
+        monkeypatch.setattr(comfy.model_management, "load_models_gpu", load)
         native = w.sample(w.lora(base, 0.8), steps=2)
     finally:
         sp.close()
-        comfy.model_management.unload_all_models()
     assert _rel(sharded, native) <= TOL

@@ -18,8 +18,7 @@ import comfy.model_patcher  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import comfy.weight_adapter  # noqa: E402
 from comfy import model_patcher_snapshot as snapshots  # noqa: E402
-from comfy.model_patcher_snapshot import (PatchSnapshot, SnapshotAck, SnapshotNotAcked, SnapshotRefused,  # noqa: E402
-                                          UnsupportedPatchState)
+from comfy.model_patcher_snapshot import PatchSnapshot, SnapshotRefused, UnsupportedPatchState  # noqa: E402
 
 P = "diffusion_model."
 TINY = dict(image_model="minimax_h3", hidden_size=16, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2,
@@ -152,21 +151,6 @@ def test_load_models_gpu_merges_as_patch_model():
         assert_bitwise(weights(worker), expected)
     finally:
         comfy.model_management.unload_all_models()
-
-
-def test_encode_decode_round_trip():
-    rank0 = make_patcher()
-    main, turbo = (load(rank0, f) for f in lora_files())
-    snap = PatchSnapshot.capture(stack(rank0, main, turbo))
-    text, data = snap.encode()
-    back = snapshots.decode(text, data)
-    assert back.version == snap.version and back.patches == snap.patches
-    assert back.tensors.keys() == snap.tensors.keys()
-    assert all(torch.equal(bits(back.tensors[n]), bits(t.contiguous())) and back.tensors[n].dtype == t.dtype for n, t in snap.tensors.items())
-    assert all(snapshots.tensor_name(t) == n for n, t in back.tensors.items())
-    delta = PatchSnapshot.capture(stack(rank0, main, turbo, 0.5), previous=snap).diff(snap)
-    back_delta = snapshots.decode(*delta.encode())
-    assert back_delta.kind == "delta" and back_delta.apply_to(back).version == delta.version
 
 
 def test_deltas_send_only_what_changed():
@@ -332,15 +316,3 @@ def test_worker_refuses_a_bad_snapshot_before_any_write(case, announced, match):
     loaded.unpatch_model(device_to=CPU)
     held = send(second.diff(first)).apply_to(held)
     assert_bitwise(merged(held.to_patcher(worker, second.digest)), merged(weaker))
-
-
-def test_acks_name_every_rank_without_the_version():
-    rank0 = make_patcher()
-    main, _ = (load(rank0, f) for f in lora_files())
-    old = PatchSnapshot.capture(rank0)
-    snap = PatchSnapshot.capture(stack(rank0, main, {}, with_turbo=False), previous=old)
-    acks = [SnapshotAck(r, *snap.version) for r in range(3)]
-    snapshots.require_acks(snap, [SnapshotAck.from_json(json.loads(json.dumps(a.to_json()))) for a in acks], 3)
-    refused = SnapshotAck(2, *old.version, refused="patch of x refused: not a weight of this model")
-    with pytest.raises(SnapshotNotAcked, match=r"rank 1: no ack; rank 2 holds 1/[0-9a-f]{12} \(patch of x refused"):
-        snapshots.require_acks(snap, [acks[0], refused], 3)
