@@ -2,6 +2,7 @@
 # The main job: MiniMax H3 sequence parallelism as a headless ComfyUI workflow in a patched tree of
 # the series' base (.comfyui/patched-main: the base + this repository's series, rebuilt every run).
 # Defaults: a small generated H3 checkpoint and LoRA, KSampler at cfg 3 and at cfg 1, 2 CPU ranks.
+# --help and argument errors answer before any set-up.
 # Other arguments go to scripts/h3_sequence_parallel.py (--help).
 #   scripts/run_main.sh [--python PATH] [--device cuda] [...]
 # Which python: --python PATH; else with --device cuda the python3 on PATH when its torch sees CUDA
@@ -18,6 +19,10 @@ while [ $# -gt 0 ]; do
     *) args+=("$1"); shift ;;
   esac
 done
+# the arguments first (the script checks them with the standard library alone): --help and a bad
+# argument answer at once, before any set-up
+python3 "$root/scripts/h3_sequence_parallel.py" --check-args "${args[@]}" || exit $?
+case " ${args[*]} " in *" -h "*|*" --help "*) exit 0 ;; esac
 if [ -z "$py" ] && [ "$device" = cuda ]; then
   if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     py=$(command -v python3)

@@ -6,6 +6,7 @@
 # repository-only checks (tests-unit/infra_test) from here, and the cross-platform collection.
 #   scripts/test.sh                          everything
 #   scripts/test.sh -k layout -x             options go to pytest
+#   COMFY_TEST_SLOW=1 scripts/test.sh        also the slow tier (4-8 ranks), which skips otherwise
 #   scripts/test.sh tests-unit/comfy_test/test_minimax_h3_model.py   only these paths (tree or infra_test)
 # A run that collects nothing fails (pytest's exit code 5), and so does one that leaves files behind
 # (in the patched tree or in its private TMPDIR).
@@ -52,19 +53,11 @@ touch "$scratch/stamp"
 rcs=()
 run() { set +e; "$@"; rcs+=($?); set -e; }
 cd "$tree"
-# comfy.parallel's own tests in a process of their own: where rank 0 has imported ComfyUI's model
-# management (the H3 and node tests do), every worker starts a whole headless ComfyUI, which those
-# tests do not need (the node tests cover that start-up)
-owner_paths=() other_paths=()
-for p in "${tree_paths[@]}"; do
-  case "$p" in tests-unit/parallel_test*) owner_paths+=("$p") ;; *) other_paths+=("$p") ;; esac
-done
-for group in owner other; do
-  declare -n paths="${group}_paths"
-  [ ${#paths[@]} -eq 0 ] && continue
+# one pytest process, as upstream's CI runs tests-unit
+if [ ${#tree_paths[@]} -gt 0 ]; then
   run env TMPDIR="$scratch/tmp" "$py" "$root/scripts/pytest_in_tree.py" -p no:cacheprovider \
-    --basetemp="$scratch/tmp/pytest-$group" "${opts[@]}" "${paths[@]}"
-done
+    --basetemp="$scratch/tmp/pytest" "${opts[@]}" "${tree_paths[@]}"
+fi
 if [ ${#infra_paths[@]} -gt 0 ]; then
   cd "$root"
   # no .pyc: a check that runs code in the pristine base must not write into it
