@@ -1,223 +1,237 @@
-"""How H3's sequence parallelism would scale, emulated on one GPU: rank 0's DiT block at real size
-(S/N rows, ceil(56/N) heads) in the real UlyssesAttention, with only its all-to-alls replaced by a
-side-stream stand-in of the same bytes at a given bandwidth; speed-up = native block / rank block.
-No multi-GPU run is involved. Sections: overlap (speed-ups per N, pipeline depth, A/Bs), timeline.
+"""Sequence-parallel scaling of the shipped H3 Ulysses code, EMULATED on one GPU.
 
-  COMFYUI_DIR=/path/to/ComfyUI python bench/h3_sp_emulation.py --layers 2 --out bench/results/h3_h200_sp.json [options]
+Rank 0's share of one denoising step runs for real: the patched tree's MiniMaxH3Model._forward at
+H3's real width (hidden 5376, 56 heads of 128), random bf16 weights, on its S/N rows and its head
+share, through comfy/ldm/minimax_h3/ulysses.py exactly as shipped (head chunks, fp8 exchange). Only
+the transport is replaced: each all-to-all waits for what the compute stream queued before it,
+copies the bytes the real one would deliver into this rank's receive buffers (device copies), and
+spins until the time the link takes for them has passed: the larger of the bytes sent and received
+over the link bandwidth (the host path copies both directions at once), plus the fixed cost of one
+collective of the shipped transport at that rank count, measured on this machine by
+h3_h200_shared_gpu.py (a 1 KB all-to-all; --latency-from its JSON). The compute stream waits on that, so the chunk pipeline overlaps
+communication with compute as the code makes it. The peers are symmetric and not run. Host-side
+waits of the real transport are not modelled (this only removes host latency).
+
+Per-block times come from CUDA events at block starts; a step is projected to H3's 50 blocks:
+  step = before the first block + 50 x median block + after the last block.
+Speed-up = native step (N = 1, same model, same attention) / emulated step. Exposed communication =
+emulated step at a link - emulated step with a free link (compute only).
+
+Links: nvlink 400 GB/s, pcie4x16 25 GB/s, pcie3x8 7 GB/s, and two matched to the peers' boxes:
+B = B_peer x (peer's 1-GPU step / our native step at the same token count), so that communication
+takes the same share of a step as there. Everything here says EMULATED.
+
+  cd <patched tree> && python /path/bench/h3_sp_emulation.py --out emulation.json
 """
 
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
 import time
 
 import torch
 
-from h3_gpu_common import EmulatedComm, bytes_per_block, capture, emulated_ulysses, interleaved, kernel_spans, main, rank_ulysses, tokens
+# (height, width, frames, text rows): the packed lengths 38,222 and 75,794 (the peer's 243-frame case)
+CASES = {"38k": (768, 1344, 124, 512), "75k": (768, 1344, 243, 2408), "tiny": (64, 64, 9, 16)}  # tiny: CPU smoke runs
+LINKS = {"nvlink": 400.0, "pcie4x16": 25.0, "pcie3x8": 7.0}
+# (link GB/s, that box's 1-GPU s/step, tokens, what) from bench/peers.json
+PEERS = {"matched_3gpu": (25.0, 65.0, 75794, "MultiStream, 3x RTX PRO 4000 24 GB, PCIe, 65.0 s/step on one GPU at 75,794 tokens"),
+         "matched_2gpu": (7.0, 86.7, 75794, "MultiStream, 2x RTX 5060 Ti 16 GB, PCIe 3 x8, 86.7 s/step on one GPU at 75,794 tokens")}
+BLOCKS = 50
 
 
-OVERLAP_NOTE = ("one DiT block at real dims per rank (rank 0, S/N rows, ceil(56/N) heads); no_comm: the chunked schedule without "
-                "transfers; bwX: every all-to-all replaced by a side-stream stand-in issued in UlyssesAttention's order (a device "
-                "copy of the bytes received, then idle until max(sent, received) / X GB/s + latency); NCCL's own SM use is not "
-                "modelled; each time the median of {rounds} interleaved rounds of {repeat} blocks back to back (per block); "
-                "host_s: the host's time to issue one block (the GPU is host-bound when it is close to block_s); "
-                "*_shared_adaln: the adaLN projections shared across ranks (this rank projects one block in N; the "
-                "~20 MB/step all-gather, ~1 us/block at 360 GB/s, not emulated); *_upfront: q/k of every head normed "
-                "before the first chunk is packed (the schedule before per-chunk preparation); the real UlyssesAttention "
-                "runs with only its _a2a replaced; *_last_rank: rank N-1's block (floor(S/N) rows, one modulation segment, "
-                "no text rows) beside rank 0's; transfers run on a high-priority stream (as comfy.parallel's NCCL streams), "
-                "*_normal_priority on a normal one")
+class EmulatedWork:
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
 
 
-def section_overlap(res_list, ours, out, save=lambda: None, bandwidths=(360e9, 180e9), latency_s=20e-6, chunk_list=(1, 2, 4),
-                    repeat=8, rounds=3, shared_chunks=(), unfused=True, graphs=False, upfront_ab=False,
-                    last_rank=False, normal_priority_ab=False):
-    """Per-rank block time for each all-to-all pipeline depth: without communication (what chunking
-    costs the attention kernel) and with the all-to-alls emulated on a side stream; for the depths in
-    `shared_chunks` also with the adaLN projections shared across ranks (and, with upfront_ab, the
-    same with every head normed before the first chunk leaves: the schedule before per-chunk prep;
-    with last_rank, the last rank's block beside rank 0's; with normal_priority_ab, the transfers on a
-    normal-priority stream instead of a high-priority one)."""
-    from comfy.ldm.minimax_h3.embedding import rope_rotation_table
-    from comfy.ldm.minimax_h3 import kernels
-    block = ours.blocks[0]
-    heads, dim, hidden = 56, 128, 5376
-    fused = kernels.fused_adaln
-    rows = {}
-    out["overlap_emulation"] = {"note": OVERLAP_NOTE.format(rounds=rounds, repeat=repeat), "latency_s_per_collective": latency_s,
-                                "repeat": repeat, "rounds": rounds, "resolutions": rows}
-    for res in res_list:
-        seq = tokens(res)
-        t_emb = torch.randn(2, 2688, device="cuda", dtype=torch.bfloat16)
-        host = {}
+class EmulatedTransport:
+    """The all_to_all of comfy.parallel.transport.HostTransport, for rank 0, timed as a link of ``gbps`` GB/s."""
 
-        def block_fn(s, sp, name, fuse=True, share=None, graph=False, text=True):
-            # `repeat` blocks back to back per timed call, as in a step: the host may run ahead of the GPU.
-            # share=N: the adaLN projections are shared (UlyssesAttention.adaln_projections), so this rank
-            # projects once every N blocks; the ~20 MB/step all-gather (~1 us/block at 360 GB/s) is not emulated.
-            # text: the rows start with the 512 text rows (rank 0: two modulation segments), else one segment
-            h = torch.randn(s, hidden, device="cuda", dtype=torch.bfloat16)
-            rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
-            mods = [(0, min(512, s // 3), 1), (min(512, s // 3), s, 0)] if text else [(0, s, 0)]
+    def __init__(self, world_size, gbps, latency_s, slot_bytes=64 << 20):
+        self.world_size, self.gbps, self.latency_s = world_size, gbps, latency_s
+        self.lane = slot_bytes // world_size
+        self.stream = torch.cuda.Stream()
+        self.cycles_per_s = calibrate_sleep()  # again for every link: the SM clock follows the load
+        self.scratch = torch.empty(0, dtype=torch.uint8, device="cuda")
+        self.rounds = self.bytes_in = self.bytes_out = 0
 
-            def fn():
-                kernels.fused_adaln = fused if fuse else (lambda x: False)
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    proj = None
-                    for i in range(repeat):
-                        if share and i % share == 0:
-                            proj = block.adaln_proj.project(t_emb)
-                        block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=proj)
-                host.setdefault(name, []).append((time.perf_counter() - t0) / repeat)
-                kernels.fused_adaln = fused
-            if not graph:
-                return fn
-            # the same block replayed from one CUDA graph (no per-kernel launch cost); the shared
-            # projection runs eagerly into the graph's static input, once every `share` blocks
-            share = share or 1  # unshared: every block projects its own (eagerly, as the others do)
-            static = block.adaln_proj.project(t_emb)
-            with torch.no_grad():
-                g = capture(lambda: block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=static))
-
-            def replay():
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    for i in range(repeat):
-                        if share and i % share == 0:
-                            static.copy_(block.adaln_proj.project(t_emb))
-                        g.replay()
-                host.setdefault(name, []).append((time.perf_counter() - t0) / repeat)
-            replay.graph = g
-            return replay
-
-        def host_s(name):
-            v = sorted(host.pop(name))
-            return v[len(v) // 2]
-
-        natives = {"native": block_fn(seq, None, "native")}
-        if graphs:
-            natives["native_graph"] = block_fn(seq, None, "native_graph", graph=True)
-        native_times = interleaved(natives, rounds=rounds if graphs else 3, warmup=2 if graphs else 3, iters=6 if graphs else 10)
-        base = native_times["native"] / repeat
-        res_rows = {"1": {"block_s": base, "host_s": host_s("native")}}
-        if graphs:
-            res_rows["1"]["graph_block_s"] = native_times["native_graph"] / repeat
-            res_rows["1"]["graph_host_s"] = host_s("native_graph")
-        del natives
-        comms = {int(bw / 1e9): EmulatedComm(bw, latency_s) for bw in bandwidths}
-        normal = {int(bw / 1e9): EmulatedComm(bw, latency_s, high_priority=False) for bw in bandwidths} if normal_priority_ab else {}
-        for world in (2, 4, 8):
-            s = -(-seq // world)
-            fns = {}
-            if unfused:
-                fns["chunks1_no_comm_unfused_adaln"] = block_fn(s, emulated_ulysses(world, seq, heads, dim, 1, None),
-                                                                "chunks1_no_comm_unfused_adaln", fuse=False)
-            for chunks in shared_chunks:
-                if chunks > heads // world:
-                    continue
-                fns[f"chunks{chunks}_no_comm_shared_adaln"] = block_fn(
-                    s, emulated_ulysses(world, seq, heads, dim, chunks, None), f"chunks{chunks}_no_comm_shared_adaln", share=world)
-                if graphs:
-                    fns[f"chunks{chunks}_no_comm_shared_adaln_graph"] = block_fn(
-                        s, emulated_ulysses(world, seq, heads, dim, chunks, None), f"chunks{chunks}_no_comm_shared_adaln_graph",
-                        share=world, graph=True)
-                for gbps, comm in comms.items():
-                    fns[f"chunks{chunks}_bw{gbps}_shared_adaln"] = block_fn(
-                        s, emulated_ulysses(world, seq, heads, dim, chunks, comm), f"chunks{chunks}_bw{gbps}_shared_adaln",
-                        share=world)
-                    if upfront_ab:
-                        name = f"chunks{chunks}_bw{gbps}_shared_adaln_upfront"
-                        fns[name] = block_fn(s, emulated_ulysses(world, seq, heads, dim, chunks, comm, upfront=True), name, share=world)
-                    if normal_priority_ab:
-                        name = f"chunks{chunks}_bw{gbps}_shared_adaln_normal_priority"
-                        fns[name] = block_fn(s, emulated_ulysses(world, seq, heads, dim, chunks, normal[gbps]), name, share=world)
-                    if last_rank:  # the last rank: floor(S/N) rows, no text rows (one modulation segment)
-                        name = f"chunks{chunks}_bw{gbps}_shared_adaln_last_rank"
-                        fns[name] = block_fn(seq // world, emulated_ulysses(world, seq, heads, dim, chunks, comm, rank=world - 1),
-                                             name, share=world, text=False)
-            for chunks in chunk_list:
-                if chunks > heads // world:
-                    continue
-                fns[f"chunks{chunks}_no_comm"] = block_fn(s, emulated_ulysses(world, seq, heads, dim, chunks, None),
-                                                           f"chunks{chunks}_no_comm")
-                for gbps, comm in comms.items():
-                    fns[f"chunks{chunks}_bw{gbps}"] = block_fn(s, emulated_ulysses(world, seq, heads, dim, chunks, comm),
-                                                               f"chunks{chunks}_bw{gbps}")
-            times = interleaved(fns, rounds=rounds, warmup=2, iters=6)
-            w_rows = {"rows_per_rank": s, "a2a_bytes_per_block": bytes_per_block(rank_ulysses(world, seq, heads, dim)),
-                      "times": {k: {"block_s": v / repeat, "speedup": base / (v / repeat), "host_s": host_s(k)}
-                                for k, v in times.items()}}
-            res_rows[str(world)] = w_rows
-            print(f"overlap {res} N={world}: " + ", ".join(f"{k} x{v['speedup']:.3f} (host {v['host_s'] * 1e3:.2f} ms)"
-                                                         for k, v in w_rows["times"].items()), flush=True)
-            del fns
-        rows[res] = {"tokens": seq, "native_block_s": base, "native_host_s": res_rows["1"]["host_s"], "worlds": res_rows}
-        print(f"overlap {res} native block {base * 1e3:.2f} ms (host {res_rows['1']['host_s'] * 1e3:.2f} ms)", flush=True)
-        del comms, normal
-        save()
+    def all_to_all(self, sends, recvs, sizes):
+        n = self.world_size
+        out_bytes = sum(sizes[0][j] for j in range(1, n))
+        in_bytes = sum(sizes[i][0] for i in range(1, n))
+        rounds = max([-(-sizes[i][j] // self.lane) for i in range(n) for j in range(n) if i != j] + [0])
+        self.rounds, self.bytes_in, self.bytes_out = self.rounds + rounds, self.bytes_in + in_bytes, self.bytes_out + out_bytes
+        ready = torch.cuda.Event()
+        ready.record()
+        if self.scratch.numel() < max(in_bytes, 2):
+            # valid bf16 values: what the peers send is never NaN
+            self.scratch = torch.randn(max(in_bytes, 2) // 2 + 1, dtype=torch.bfloat16, device="cuda").view(torch.uint8)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            recvs[0].view(-1).view(torch.uint8).copy_(sends[0].contiguous().view(-1).view(torch.uint8))
+            offset = 0
+            for i in range(1, n):
+                flat = recvs[i].view(-1).view(torch.uint8)
+                flat.copy_(self.scratch[offset:offset + flat.numel()])
+                offset += flat.numel()
+            if self.gbps is not None:
+                seconds = max(out_bytes, in_bytes) / (self.gbps * 1e9) + self.latency_s - in_bytes / 2.5e12
+                if seconds > 0:
+                    torch.cuda._sleep(int(seconds * self.cycles_per_s))
+            done = torch.cuda.Event()
+            done.record()
+        return EmulatedWork(done)
 
 
-def section_timeline(res, ours, out, worlds=(2, 8), chunks=2, bandwidth=360e9, latency_s=20e-6):
-    """Kernel timeline of one rank block (the second of three back to back, profiler) with emulated
-    transfers: per-chunk q/k preparation vs up front, transfers on a high- vs normal-priority stream.
-    Shows where the first chunk's transfer starts and how long attention waits for it."""
-    from comfy.ldm.minimax_h3.embedding import rope_rotation_table
-    block, seq = ours.blocks[0], tokens(res)
-    t_emb = torch.randn(2, 2688, device="cuda", dtype=torch.bfloat16)
-    comms = {"high": EmulatedComm(bandwidth, latency_s), "normal": EmulatedComm(bandwidth, latency_s, high_priority=False)}
-    rows = out["timeline"] = {"resolution": res, "tokens": seq, "chunks": chunks, "bandwidth_gbps": bandwidth / 1e9,
-                              "note": "kernels of the second of 3 blocks back to back: (start us from the block's first "
-                                      "kernel, duration us, name); all streams", "runs": {}}
-    for world in worlds:
-        s = -(-seq // world)
-        h = torch.randn(s, 5376, device="cuda", dtype=torch.bfloat16)
-        rope = rope_rotation_table(torch.randn(s, 96, device="cuda"), torch.bfloat16)
-        mods = [(0, 512, 1), (512, s, 0)]
-        proj = block.adaln_proj.project(t_emb)
-        for prio, comm in comms.items():
-            for upfront in (False, True):
-                sp = emulated_ulysses(world, seq, 56, 128, chunks, comm, upfront=upfront)
-
-                def fn():
-                    block(h.clone(), t_emb, mods, rope, {}, seq_parallel=sp, adaln=proj)
-                with torch.no_grad():
-                    for _ in range(3):
-                        fn()
-                    ks = kernel_spans(lambda: [fn() for _ in range(3)])
-                n = len(ks) // 3
-                t0 = ks[n][0]
-                key = f"N{world}_{prio}_priority_{'upfront' if upfront else 'per_chunk'}"
-                attn = [a for a, _, name in ks[n:2 * n] if "sdpa" in name or "flash" in name]
-                rows["runs"][key] = {"block_span_us": ks[2 * n][0] - t0, "first_attention_start_us": attn[0] - t0 if attn else None,
-                                     "kernels": [(round(a - t0, 1), round(b - a, 1), name[:70]) for a, b, name in ks[n:2 * n]]}
-                print(f"timeline {key}: block span {ks[2 * n][0] - t0:.1f} us, first attention at "
-                      f"{rows['runs'][key]['first_attention_start_us']} us", flush=True)
+def calibrate_sleep(cycles=50_000_000):
+    """GPU cycles per second of torch.cuda._sleep, measured now."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1000)
 
 
-def add_arguments(ap):
-    ap.add_argument("--chunks", default="1,2,4", help="overlap: all-to-all pipeline depths")
-    ap.add_argument("--shared-chunks", default="", help="overlap: depths also run with the adaLN projections shared")
-    ap.add_argument("--bandwidths", default="360,180", help="overlap: emulated all-to-all bandwidths, GB/s")
-    ap.add_argument("--rounds", type=int, default=3, help="overlap: interleaved rounds")
-    ap.add_argument("--no-unfused", action="store_true", help="overlap: skip the unfused-adaLN reference")
-    ap.add_argument("--repeat", type=int, default=8, help="overlap: blocks back to back per timing (50 = one H3 step)")
-    ap.add_argument("--graphs", action="store_true", help="overlap: also the shared-adaLN block replayed from a CUDA graph")
-    ap.add_argument("--normal-priority-ab", action="store_true",
-                    help="overlap: also the shared-adaLN variants with the emulated transfers on a normal-priority stream")
-    ap.add_argument("--last-rank", action="store_true", help="overlap: also the last rank's shared-adaLN block (no text rows)")
-    ap.add_argument("--upfront-ab", action="store_true",
-                    help="overlap: also the shared-adaLN variants with q/k normed up front (before per-chunk preparation)")
+def build(layers, device="cuda"):
+    """H3 at its real width with random bf16 weights (H3SP_BENCH_TINY=1: the tests' tiny config in fp32, for CPU smoke runs)."""
+    import comfy.ldm.minimax.model as h3
+    import comfy.ops
+    tiny = {"hidden_size": 64, "token_refiner_num_layers": 1, "num_attention_heads": 8, "attention_head_dim": 8, "ffn_hidden_size": 96,
+            "text_dim": 48, "timestep_input_dim": 32, "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 1}
+    config = tiny if os.environ.get("H3SP_BENCH_TINY") else {}
+    dtype = torch.float32 if config else torch.bfloat16
+    model = h3.MiniMaxH3Model(num_layers=layers, **config, dtype=dtype, device=device, operations=comfy.ops.disable_weight_init)
+    model.requires_grad_(False)
+    gen = torch.Generator(device).manual_seed(0)
+    for name, t in model.state_dict().items():
+        if name.endswith("rope.inv_freq"):
+            n = t.shape[0]
+            t.copy_(1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float64, device=t.device) / n)))
+        elif "norm" in name:
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+    return model
 
 
-def overlap(run):
-    args = run.args
-    ints = lambda v: tuple(int(c) for c in v.split(",") if c)  # noqa: E731
-    section_overlap(run.resolutions, run.ours, run.out, run.save, bandwidths=tuple(b * 1e9 for b in ints(args.bandwidths)),
-                    chunk_list=ints(args.chunks), rounds=args.rounds, shared_chunks=ints(args.shared_chunks),
-                    unfused=not args.no_unfused, repeat=args.repeat, graphs=args.graphs,
-                    upfront_ab=args.upfront_ab, last_rank=args.last_rank,
-                    normal_priority_ab=args.normal_priority_ab)
+def inputs(case, model, device="cuda"):
+    from comfy.ldm.minimax.model import PackedLayout
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+    h, w, f, text = CASES[case]
+    latent = EmptyMiniMaxH3LatentAV.execute(w, h, f).result[0]["samples"]
+    video, audio = latent.unbind()
+    g = torch.Generator(device).manual_seed(1)
+    video = torch.randn(video.shape, generator=g, device=device)
+    audio = torch.randn(audio.shape, generator=g, device=device)
+    dtype = model.blocks[0].attn.qkv_proj.weight.dtype
+    context = torch.randn(1, text, model.hidden_size, generator=g, device=device).to(dtype)  # refined text (extra_conds)
+    tokens = PackedLayout(text, video.shape[2], video.shape[3], video.shape[4], audio.shape[-1]).seq_len
+    return ([video, audio], torch.tensor([600.0], device=device), context), tokens
 
 
-SECTIONS = {"overlap": overlap, "timeline": lambda run: section_timeline(run.resolutions[0], run.ours, run.out)}
+def timed(model, args, options, repeats):
+    """(ms before the first block, median ms per block, ms after the last block) of model._forward."""
+    marks = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: marks.append(_event())) for b in model.blocks]
+    try:
+        pre, blocks, post = [], [], []
+        for r in range(repeats + 1):
+            marks.clear()
+            torch.cuda.synchronize()
+            start = _event()
+            model._forward(*args, dict(options))
+            end = _event()
+            end.synchronize()
+            if r == 0:
+                continue  # warm-up: lazy inits, autotuning
+            pre.append(start.elapsed_time(marks[0]))
+            blocks += [a.elapsed_time(b) for a, b in zip(marks[1:-1], marks[2:])] or [marks[0].elapsed_time(marks[-1])]
+            post.append(marks[-1].elapsed_time(end) - statistics.median(blocks))
+        return statistics.median(pre), statistics.median(blocks), statistics.median(post)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _event():
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def step_s(parts):
+    pre, block, post = parts
+    return (pre + BLOCKS * block + post) / 1000
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="38k,75k")
+    ap.add_argument("--ranks", default="2,3,4,8")
+    ap.add_argument("--layers", type=int, default=4, help="real-width blocks built (the median block is projected to 50)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--chunks", default="2")
+    ap.add_argument("--latency-from", required=True, help="h3_h200_shared_gpu.py's JSON: the transport's cost of one collective by rank count")
+    a = ap.parse_args()
+    with open(a.latency_from) as f:
+        measured = {r["ranks"]: next(link["s_per_call"] for link in r["link"] if link["mb_per_pair"] == 0.001) for r in json.load(f)["runs"]}
+    sys.path.insert(0, os.getcwd())
+    from comfy.ldm.minimax_h3.ulysses import UlyssesParallel
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = build(a.layers)
+    result = {"emulated": True, "what": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "machine": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "layers_built": a.layers,
+              "blocks_projected": BLOCKS, "collective_latency_s": {}, "links_gbps": dict(LINKS), "peers": {}, "cases": {}}
+    for case in a.cases.split(","):
+        args, tokens = inputs(case, model)
+        native = timed(model, args, {}, a.repeats)
+        entry = result["cases"][case] = {"tokens": tokens, "native": {"parts_ms": native, "step_s": step_s(native)}, "runs": []}
+        links = dict(LINKS)
+        for name, (gbps, peer_step, peer_tokens, what) in PEERS.items():
+            if peer_tokens == tokens:
+                links[name] = gbps * peer_step / step_s(native)
+                result["peers"][name] = {"peer_gbps": gbps, "peer_one_gpu_step_s": peer_step, "our_native_step_s": step_s(native),
+                                         "emulated_gbps": links[name], "source": what}
+        for n in map(int, a.ranks.split(",")):
+            # measured at 2, 4, 8 ranks; 3 between 2 and 4
+            latency = measured.get(n) or (measured[2] + measured[4]) / 2
+            result["collective_latency_s"][n] = latency
+            for chunks in map(int, a.chunks.split(",")):
+                for fp8 in (False, True):
+                    for link, gbps in [("compute only", None)] + sorted(links.items(), key=lambda kv: -kv[1]):
+                        if fp8 and gbps is None:
+                            continue
+                        t = EmulatedTransport(n, gbps, latency)
+                        sp = UlyssesParallel(0, n, model.blocks[0].attn.heads, t, chunks=chunks, fp8=fp8)
+                        parts = timed(model, args, {"minimax_h3_sequence_parallel": sp}, a.repeats)
+                        per_step = (a.repeats + 1) * a.layers / BLOCKS  # forwards run, in steps of 50 blocks
+                        run = {"ranks": n, "chunks": chunks, "exchange": "fp8" if fp8 else "bf16", "link": link, "gbps": gbps,
+                               "parts_ms": parts, "step_s": step_s(parts), "speedup": step_s(native) / step_s(parts),
+                               "step_gb_in": t.bytes_in / per_step / 1e9, "step_gb_out": t.bytes_out / per_step / 1e9,
+                               "step_rounds": t.rounds / per_step}
+                        entry["runs"].append(run)
+                        print(json.dumps({"case": case, **{k: v for k, v in run.items() if k != "parts_ms"}}), flush=True)
+                        with open(a.out, "w") as f:
+                            json.dump(result, f, indent=1)
+        for run in entry["runs"]:
+            free = next(r for r in entry["runs"] if r["ranks"] == run["ranks"] and r["chunks"] == run["chunks"] and r["gbps"] is None)
+            run["exposed_comm_s"] = run["step_s"] - free["step_s"]
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+
 
 if __name__ == "__main__":
-    main(__doc__, SECTIONS, add_arguments)
+    main()

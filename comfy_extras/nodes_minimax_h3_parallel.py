@@ -13,6 +13,7 @@ import weakref
 
 import comfy.model_management
 import comfy.patcher_extension
+import comfy.sampler_helpers
 from comfy.ldm.minimax.model import MiniMaxH3Model
 from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel, loader_call
 from comfy_api.latest import ComfyExtension, io
@@ -66,10 +67,12 @@ def attach(model, max_gpus, fp8_exchange=False):
     sp = runner_for(model, devices, fp8_exchange)
     m = model.clone()
 
-    def prepare_sampling(executor, patcher, *args, **kwargs):
+    def prepare_sampling(executor, patcher, noise_shape, conds, *args, **kwargs):
         refuse_multigpu_clones(patcher)
+        # the workers load for what the sampler loads rank 0 for (a rank's share needs less)
+        sp.memory_required = comfy.sampler_helpers.estimate_memory(patcher, noise_shape, conds)
         sp.start_workers(patcher)  # they load while rank 0 does, below
-        return executor(patcher, *args, **kwargs)
+        return executor(patcher, noise_shape, conds, *args, **kwargs)
 
     def on_pre_run(patcher):
         refuse_multigpu_clones(patcher)

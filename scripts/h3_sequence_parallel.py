@@ -28,17 +28,25 @@ RESULT = "h3_sequence_parallel.json"
 SMALL_CONFIG = {"hidden_size": 256, "num_layers": 6, "token_refiner_num_layers": 1, "num_attention_heads": 8,
                 "attention_head_dim": 32, "ffn_hidden_size": 512, "text_dim": 192, "timestep_input_dim": 64,
                 "time_embed_hidden_size": 256, "time_embed_dim": 128, "rope_inv_freq_len": 4}
-TOLERANCE = 1e-4  # max |sharded - native| / max |native| of the final latent (fp32 compute)
+# max |sharded - native| / max |native| of the final latent: fp32 compute differs by float reassociation
+# only; bf16 / fp16 compute (a GPU) by GEMMs blocked on other row counts
+TOLERANCE = {"float32": 1e-4, "other": 3e-2}
 
 
-def setup_comfyui(tree, device):
-    """Import ComfyUI from the patched tree (run_main.sh also puts it first on PYTHONPATH, for the workers)."""
+def setup_comfyui(tree, a):
+    """Import ComfyUI from the patched tree (run_main.sh also puts it first on PYTHONPATH, for the workers)
+    and start its devices as main.py does (DynamicVRAM where ComfyUI enables it), with the memory flags given."""
     if not tree or not os.path.isfile(os.path.join(tree, "comfy", "model_patcher.py")):
         sys.exit("--comfyui must name a patched ComfyUI tree; scripts/run_main.sh builds one")
     tree = os.path.abspath(tree)
     sys.path[:0] = [tree, os.path.join(tree, "tests-unit")]  # tests-unit: h3_files, the checkpoint writer
-    from comfy.cli_args import args
-    args.cpu = device == "cpu"
+    from comfy.cli_args import args, get_console_log_level
+    args.cpu = a.device == "cpu"
+    args.reserve_vram = a.reserve_vram
+    args.disable_dynamic_vram = a.disable_dynamic_vram
+    import comfy.dynamic_vram
+    comfy.dynamic_vram.init_allocator()
+    comfy.dynamic_vram.enable(get_console_log_level(args.verbose))
 
 
 def check_gpus(ranks):
@@ -97,6 +105,9 @@ def parse_args(argv=None):
     ap.add_argument("--text-len", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="out")
+    ap.add_argument("--cases", type=int, default=3, help="workflows to run: cfg 1, then cfg --cfg with two seeds (default all 3)")
+    ap.add_argument("--reserve-vram", type=float, help="ComfyUI's --reserve-vram (GB), for rank 0 and the workers")
+    ap.add_argument("--disable-dynamic-vram", action="store_true", help="ComfyUI's --disable-dynamic-vram, for every rank")
     ap.add_argument("--check-args", action="store_true", help=argparse.SUPPRESS)  # run_main.sh: validate, before set-up
     a = ap.parse_args(argv)
     problems = [f"--{name} must be {want}" for name, ok, want in (
@@ -104,7 +115,8 @@ def parse_args(argv=None):
         ("steps", a.steps >= 1, "1 or more"), ("cfg", a.cfg > 0, "positive"),
         ("lora-rank", a.lora_rank >= 0, "0 (none) or more"),
         ("width", a.width >= 16, "16 or more"), ("height", a.height >= 16, "16 or more"),
-        ("length", a.length >= 1, "1 or more"), ("text-len", a.text_len >= 1, "1 or more")) if not ok]
+        ("length", a.length >= 1, "1 or more"), ("text-len", a.text_len >= 1, "1 or more"),
+        ("cases", 1 <= a.cases <= 3, "1, 2 or 3")) if not ok]
     if a.checkpoint is not None and not os.path.isfile(a.checkpoint):
         problems.append(f"--checkpoint {a.checkpoint}: no such file")
     if a.checkpoint is not None and a.lora_rank:
@@ -129,7 +141,7 @@ def main():
     if a.device == "cuda":
         check_gpus(1 if a.share_gpu else a.ranks)
 
-    setup_comfyui(a.comfyui, a.device)
+    setup_comfyui(a.comfyui, a)
     import torch
 
     import comfy.ldm.common_dit
@@ -176,8 +188,10 @@ def main():
     def rel(x, y):
         return max(float((u - v).abs().max() / v.abs().max()) for u, v in zip(x, y))
 
-    cases = [(a.seed + 1, a.cfg), (a.seed + 2, a.cfg), (a.seed + 1, 1.0)]  # (seed, cfg)
+    cases = [(a.seed + 1, 1.0), (a.seed + 1, a.cfg), (a.seed + 2, a.cfg)][:a.cases]  # (seed, cfg)
     native = [workflow(base, s, cfg) for s, cfg in cases]
+    # on a GPU the same workflow twice need not agree bit for bit: what sharding adds is read against that
+    floor = rel(workflow(base, *cases[0])[0], native[0][0]) if a.device == "cuda" else 0.0
     parallel = sp_node.MiniMaxH3SequenceParallel.execute(base, a.ranks, a.fp8_exchange).result[0]
     sp = parallel.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, sp_node.KEY)[0]  # the runner the node attached
     runs = []
@@ -197,14 +211,17 @@ def main():
         table.append({"seed": run["seed"], "cfg": run["cfg"], "native_s": ref_s, "sharded_s": run["seconds"],
                       "rel_diff": rel(run["samples"], ref), "worker_pids": run["worker_pids"], "patch_sync": run["patch_sync"]})
     same_workers = all(r["worker_pids"] == table[0]["worker_pids"] for r in table)
-    ok = (a.fp8_exchange or all(r["rel_diff"] <= TOLERANCE for r in table)) and same_workers and closed
+    compute = str(base.model.manual_cast_dtype or base.model_dtype()).removeprefix("torch.")
+    tolerance = TOLERANCE["float32" if compute == "float32" else "other"]
+    ok = (a.fp8_exchange or all(r["rel_diff"] <= max(tolerance, 2 * floor) for r in table)) and same_workers and closed
     tokens = sequence_length(PackedLayout, comfy.ldm.common_dit.pad_to_patch_size, diffusion, latent, positive)
     devices = [str(d) for d in sp.devices]
     result = {"ranks": a.ranks, "device": a.device, "devices": devices, "transport": "shared host memory", "steps": a.steps,
               "cfgs": sorted({cfg for _, cfg in cases}), "tokens": tokens, "rank0_pid": os.getpid(), "weight_dtype": a.weight_dtype,
               "checkpoint": checkpoint, "model_dtype": str(base.model_dtype()), "lora": lora, "lora_strength": a.lora_strength,
               "fp8_exchange": a.fp8_exchange, "runs": table, "startup_s": startup, "sharded_model_calls": runs[-1]["sharded_steps"],
-              "workers_closed_on_unload": closed, "tolerance": TOLERANCE, "parity": ok,
+              "workers_closed_on_unload": closed, "compute_dtype": compute, "tolerance": tolerance,
+              "native_run_to_run": floor, "parity_rule": "every run's rel_diff <= max(tolerance, 2 x native_run_to_run)", "parity": ok,
               "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}}
 
     print(f"MiniMax H3 sequence parallel, ComfyUI workflow: {tokens} tokens, KSampler {a.steps} steps euler, "
@@ -218,7 +235,8 @@ def main():
         print(f"| {r['seed']} | {r['cfg']:g} | {r['native_s']:.3f} | {r['sharded_s']:.3f} | {r['rel_diff']:.2e} | {pids} | {sync} |")
     print(f"worker start-up {startup.get('total', 0):.2f} s (in the first sharded run); {result['sharded_model_calls']} sharded "
           f"model calls; workers closed on unload: {closed}")
-    print(f"parity (tolerance {TOLERANCE:.0e}{', not required: fp8 exchange' if a.fp8_exchange else ''}), same workers for every run, "
+    print(f"native run to run (the same workflow twice) {floor:.2e}")
+    print(f"parity (tolerance {tolerance:.0e}, {compute} compute{', not required: fp8 exchange' if a.fp8_exchange else ''}), same workers for every run, "
           f"clean unload -> {'PASS' if ok else 'FAIL'}")
     # written only now that the verdict is known, pass or fail
     os.makedirs(out, exist_ok=True)

@@ -192,7 +192,7 @@ class ParallelGroup:
         self._transport = HostTransport(0, self.world_size, self._devices[0], self.slot_bytes)
         hello = {"world_size": self.world_size, "device": "cuda:0" if self._devices[0].type == "cuda" else "cpu",
                  "transport": {"fds": self._transport.fds(), "slot_bytes": self.slot_bytes}, "imports": imports,
-                 "modules": modules, "comfyui_args": _comfyui_args() if comfyui else None}
+                 "modules": modules, "comfyui": _comfyui_start() if comfyui else None}
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, args=(self._stop,), name=f"parallel-{self.name}", daemon=True)
         self._monitor.start()
@@ -541,9 +541,12 @@ def _check_devices(devices):
     return parsed
 
 
-def _comfyui_args():
-    """Rank 0's whole ``comfy.cli_args.args`` as JSON (enums by class name and value, sets as lists); an
-    argument of any other type is refused by name rather than dropped."""
+def _comfyui_start():
+    """What a worker needs to start ComfyUI as this process did: the whole ``comfy.cli_args.args`` as JSON (enums
+    by class name and value, sets as lists; an argument of another type is refused by name rather than
+    dropped), and whether DynamicVRAM came up here."""
+    from comfy import memory_management  # loaded by the caller's ComfyUI already; not by comfy.parallel alone
+
     def encode(name, v):
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
@@ -554,7 +557,8 @@ def _comfyui_args():
         if isinstance(v, (set, frozenset)):
             return {"set": sorted((encode(name, x) for x in v), key=json.dumps)}
         raise ParallelError(f"ComfyUI's argument {name!r} holds a {type(v).__name__}, which the workers cannot be started with")
-    return {k: encode(k, v) for k, v in vars(comfy.cli_args.args).items()}
+    return {"args": {k: encode(k, v) for k, v in vars(comfy.cli_args.args).items()},
+            "dynamic_vram": memory_management.aimdo_enabled}
 
 
 def _worker_env(device, extra):

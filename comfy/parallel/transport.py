@@ -208,8 +208,8 @@ class HostTransport:
                 self._run(work)
             except BaseException as e:
                 work.error = e
+                self._sync()  # no copy of a failed collective is left in flight
             finally:
-                self._sync()
                 work.sends = work.recvs = None
                 work.done.set()
                 if self._queue.empty():

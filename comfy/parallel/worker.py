@@ -69,8 +69,8 @@ class Worker:
     def start(self):
         h = self.hello
         device = torch.device(h["device"])
-        if h["comfyui_args"] is not None:
-            _start_comfyui(h["comfyui_args"], cpu=device.type == "cpu")
+        if h["comfyui"] is not None:
+            _start_comfyui(h["comfyui"], cpu=device.type == "cpu")
         for name in h["imports"]:
             logger.info("importing %s", name)
             importlib.import_module(name)
@@ -123,9 +123,10 @@ def _beat(transport):
         time.sleep(HEARTBEAT)
 
 
-def _start_comfyui(values, cpu):
+def _start_comfyui(start, cpu):
     """Before any ComfyUI model code is imported: rank 0's args, then ComfyUI's own start-up of the device
-    and DynamicVRAM (main.py runs the same), so that attention, dtypes and memory follow those args."""
+    and DynamicVRAM (main.py runs the same), so that attention, dtypes and memory follow those args;
+    DynamicVRAM only where rank 0 runs it, so that every rank has the same kind of ModelPatcher."""
     def decode(v):
         if isinstance(v, dict) and set(v) == {"enum", "value"}:
             return getattr(comfy.cli_args, v["enum"])(v["value"])
@@ -135,9 +136,11 @@ def _start_comfyui(values, cpu):
             return [decode(x) for x in v]
         return v
     args = comfy.cli_args.args
-    vars(args).update({k: decode(v) for k, v in values.items()})
+    vars(args).update({k: decode(v) for k, v in start["args"].items()})
     if cpu:
         args.cpu = True  # this worker's device; rank 0 may run on a GPU
+    if not start["dynamic_vram"]:
+        args.enable_dynamic_vram, args.disable_dynamic_vram = False, True
     comfy.dynamic_vram.init_allocator()
     comfy.dynamic_vram.enable(comfy.cli_args.get_console_log_level(args.verbose))
 

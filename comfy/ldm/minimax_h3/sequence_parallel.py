@@ -146,6 +146,13 @@ def describe(patcher):
             "patcher": type(patcher).__name__, "torch": torch.__version__}
 
 
+def load(patcher, memory_required):
+    """ComfyUI's own load of a worker's model, leaving room for what rank 0's sampler estimated a step needs
+    (rank 0's whole sequence: more than a rank's share of it)."""
+    required, minimum = memory_required or (0, None)
+    comfy.model_management.load_models_gpu([patcher], memory_required=required, minimum_memory_required=minimum)
+
+
 @register_op(OP_SETUP)
 def setup_op(ctx, meta):
     """Workers build rank 0's base model with rank 0's loader call; every rank answers with describe()."""
@@ -175,7 +182,7 @@ def patches_op(ctx, meta):
         return None
     snap = snapshots.read(meta["manifest"], tensors).apply_to(ctx.state["snapshot"])
     patcher = snap.to_patcher(ctx.state["base"], target[1])
-    comfy.model_management.load_models_gpu([patcher])
+    load(patcher, meta["memory_required"])
     ctx.state.update(patcher=patcher, snapshot=snap, patch_version=list(snap.version), describe=describe(patcher))
     return {"version": ctx.state["patch_version"]}
 
@@ -184,7 +191,7 @@ def patches_op(ctx, meta):
 def forward_op(ctx, meta):
     """This rank's rows of one step; every rank ends with the full output, rank 0 returns it."""
     if ctx.rank:
-        comfy.model_management.load_models_gpu([ctx.state["patcher"]])
+        load(ctx.state["patcher"], meta["memory_required"])
     ctx.preflight(hashlib.sha256(json.dumps([ctx.state["patch_version"], ctx.state["describe"]], sort_keys=True).encode()).hexdigest())
     if ctx.rank == 0:
         ctx.transport.broadcast([t for _, t in ctx.state.pop("send")])
@@ -234,6 +241,7 @@ class SequenceParallel:
         self.synced = None  # the PatchSnapshot every rank holds
         self.last_sent = None  # describe() of the last update sync() sent; None when it sent nothing
         self.steps_run = 0
+        self.memory_required = None  # (memory_required, minimum) the sampler loads rank 0 for; the workers load for it too
         self.inputs = StepInputs()
         self._rank0 = {}  # rank 0's ctx.state: no reference to a ModelPatcher, which would keep the base model alive
         self._starting = None  # (thread, outcome) of start_workers() until prepare() joins it
@@ -312,7 +320,7 @@ class SequenceParallel:
         self.synced, self.last_sent = None, dict(update.describe(), kind=update.kind)
         target = list(snapshot.version)
         self._rank0["patch_tensors"] = tensors = {n: t.contiguous() for n, t in sorted(update.tensors.items())}
-        result = self.group.run(OP_PATCHES, {"manifest": update.manifest, "target": target,
+        result = self.group.run(OP_PATCHES, {"manifest": update.manifest, "target": target, "memory_required": self.memory_required,
                                              "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()]})
         odd = {r: v["version"] for r, v in enumerate(result.values[1:], 1) if v["version"] != target}
         if odd:
@@ -365,7 +373,7 @@ class SequenceParallel:
         args = self.inputs.encode({"x": list(x), "timestep": timestep, "context": context, "kwargs": kwargs}, "step", send)
         options = self._options(transformer_options, send)
         meta = {"args": args, "options": options, "send": [[tid, str(t.dtype).removeprefix("torch."), list(t.shape)] for tid, t in send],
-                "held": self.inputs.held(), "fresh_run": self.inputs.fresh_run, "chunks": self.chunks,
+                "held": self.inputs.held(), "fresh_run": self.inputs.fresh_run, "chunks": self.chunks, "memory_required": self.memory_required,
                 "fp8_exchange": self.fp8_exchange}
         self.inputs.fresh_run = False
         self._rank0.update(send=[(tid, t.contiguous()) for tid, t in send], options=transformer_options,
