@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 
 import comfy.model_management  # noqa: E402
 import comfy.patcher_extension  # noqa: E402
-from h3_files import TINY_CONFIG, lora_state_dict, step_inputs, write_h3_file  # noqa: E402
+from h3_files import TINY_CONFIG, lora_state_dict, random_state_dict, step_inputs, write_h3_file  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the node's worker processes run on Linux")
 SLOW = pytest.mark.skipif(not os.environ.get("COMFY_TEST_SLOW"), reason="set COMFY_TEST_SLOW=1")
@@ -356,7 +356,7 @@ def test_a_checkpoint_replaced_on_disk_after_rank0_loaded_it_is_refused_before_a
     os.replace(path + ".new", path)
     sp = _runner(node)
     try:
-        with pytest.raises(ParallelOpError, match="changed on disk since rank 0 loaded it; load the model again"):
+        with pytest.raises(ParallelOpError, match="h3_fp32.safetensors changed on disk since rank 0 loaded it; load the model again"):
             w.step(node)
         assert sp.group.state == "closed" and sp.group.worker_pids() == {}
     finally:
@@ -448,3 +448,165 @@ def test_workers_start_and_load_while_rank0_loads_its_model(workflow, monkeypatc
     finally:
         sp.close()
     assert _rel(sharded, native) <= TOL
+
+
+def test_easycache_before_or_after_the_node_skips_the_same_steps_and_sends_nothing_for_them(workflow):
+    """EasyCache (ComfyUI's node) wraps the diffusion model too; placed before or after this node it runs on
+    rank 0 around the sharded step: the output equals EasyCache without the node, and only the model calls
+    it does not skip run sharded (a skipped step sends nothing to the workers)."""
+    from comfy_extras.nodes_easycache import EasyCacheNode
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+
+    def easycache(m):
+        return EasyCacheNode.execute(m, 0.2, 0.15, 0.95, False).result[0]
+    calls = []
+    counted = easycache(base).clone()
+    counted.add_wrapper(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, lambda executor, *a, **k: (calls.append(1), executor(*a, **k))[1])
+    native = w.sample(counted, steps=10, cfg=1.0)
+    assert 0 < len(calls) < 10  # EasyCache skipped some
+    for order, model in (("after", lambda: easycache(w.parallel(base, 2))), ("before", lambda: w.parallel(easycache(base), 2))):
+        m = model()
+        sp = _runner(m)
+        before = sp.steps_run
+        try:
+            sharded = w.sample(m, steps=10, cfg=1.0)
+            assert sp.steps_run - before == len(calls), order
+        finally:
+            sp.close()
+        assert _rel(sharded, native) <= TOL, order
+
+
+def test_a_registered_attention_override_runs_on_every_rank_by_name(workflow):
+    """An attention function registered with comfy.ldm.modules.attention (by a custom node, here a test
+    module) and set with set_model_optimized_attention runs on every rank: its effect is in the sharded
+    output exactly as natively. One with no registered name is refused before anything is sent."""
+    from comfy_extras_test import h3_attention_for_tests
+    from comfy.ldm.modules import attention
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    function = attention.get_attention_function(h3_attention_for_tests.NAME)
+
+    def with_attention(m, f):
+        m = m.clone()
+        m.set_model_optimized_attention(f)
+        return m
+    plain, native = w.step(base), w.step(with_attention(base, function))
+    node = w.parallel(base, 2)
+    sp = _runner(node)
+    try:
+        sharded = w.step(with_attention(node, function))
+        assert "comfy_extras_test.h3_attention_for_tests" in sp.imports
+        pids = sp.group.worker_pids()
+        with pytest.raises(ValueError, match="this one has none: register it with comfy.ldm.modules.attention.register_attention_function"):
+            w.step(with_attention(node, lambda *a, **k: function(*a, **k)))
+        assert sp.group.worker_pids() == pids and sp.steps_run == 1
+    finally:
+        sp.close()
+    assert _rel(sharded, native) <= TOL and _rel(native, plain) > 1e-3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_the_node(workflow, world):
+    """The Fun ControlNet-Union tower (comfy/ldm/minimax/controlnet.py) joins the model as double-block
+    patches, as its apply node does. Under sharding each patched block gathers every rank's rows on rank 0
+    and runs there as on one GPU (control tower included), then every rank gets its rows back: KSampler with
+    the patch equals the same workflow without the node."""
+    import comfy.ops
+    from comfy.ldm.minimax.controlnet import MiniMaxH3FunControl
+    c = TINY_CONFIG
+    control = MiniMaxH3FunControl(control_in_dim=4, injection_layers=(0, 1), hidden_size=c["hidden_size"],
+                                  num_attention_heads=c["num_attention_heads"], attention_head_dim=c["attention_head_dim"],
+                                  ffn_hidden_size=c["ffn_hidden_size"], time_embed_dim=c["time_embed_dim"], dtype=torch.float32,
+                                  operations=comfy.ops.disable_weight_init).requires_grad_(False)
+    control.load_state_dict(random_state_dict(control, seed=5))
+    for module in control.modules():  # its own (empty) patch lists, not comfy.ops' class-level ones
+        if hasattr(module, "weight_function"):
+            module.weight_function, module.bias_function = [], []
+    control_latent = torch.randn(1, 4, 2, 2, 2, generator=torch.Generator().manual_seed(6))
+    state = {}
+
+    def patch(args, extra):
+        i = args["transformer_options"]["block_index"]
+        if i == 0:
+            state["c"] = control.init_stream(args["img"], control_latent, args["layout"], args["t_emb"])
+        state["c"], hint = control.step(i, state["c"], args["t_emb"], args["mod_segments"], args["rope_freqs"], args["transformer_options"])
+        return {"img": extra["original_block"](args)["img"] + 0.7 * hint}
+
+    def with_control(m):
+        m = m.clone()
+        for i in control.injection_layers:
+            m.set_model_patch_replace(patch, "dit", "double_block", i)
+        return m
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    plain, native = w.sample(base), w.sample(with_control(base))
+    node = w.parallel(base, world)
+    sp = _runner(node)
+    try:
+        sharded = w.sample(with_control(node))
+        assert sp.steps_run == 2 * 3
+    finally:
+        sp.close()
+    assert _rel(sharded, native) <= TOL and _rel(native, plain) > 1e-3
+
+
+CUSTOM_LOADER = """
+import comfy.sd
+import safetensors.torch
+
+
+def load(path):
+    # its own way: the file read here, the model built from the state dict; then how to do it again
+    model = comfy.sd.load_diffusion_model_state_dict(safetensors.torch.load_file(path))
+    model.cached_patcher_init = (load, (path,))
+    return model
+
+
+class H3TestLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"path": ("STRING", {})}}
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "go"
+    CATEGORY = "testing"
+
+    def go(self, path):
+        return (load(path),)
+
+
+class H3TestLoaderWithoutRecord(H3TestLoader):
+    def go(self, path):
+        return (comfy.sd.load_diffusion_model_state_dict(safetensors.torch.load_file(path)),)
+
+
+NODE_CLASS_MAPPINGS = {"H3TestLoader": H3TestLoader, "H3TestLoaderWithoutRecord": H3TestLoaderWithoutRecord}
+"""
+
+
+def test_a_model_from_a_custom_node_loader_shards_with_a_lora(workflow, tmp_path):
+    """A loader node of a custom node (loaded from a custom_nodes folder as ComfyUI loads one) that registers
+    a cached_patcher_init factory: the workers import its module from its file and call the factory, so the
+    model shards, LoRA included, with the output of the workflow without the node. One that records nothing
+    is refused by name before any worker starts."""
+    import asyncio
+    import nodes
+    folder = tmp_path / "custom_nodes" / "h3_test_loader"
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text(CUSTOM_LOADER)
+    assert asyncio.run(nodes.load_custom_node(str(folder)))
+    path = str(workflow.root / "diffusion_models" / "h3_fp32.safetensors")
+    loaded = nodes.NODE_CLASS_MAPPINGS["H3TestLoader"]().go(path)[0]
+    w = workflow
+    native = w.sample(w.lora(loaded, 0.8))
+    node = w.parallel(loaded, 2)
+    sp = _runner(node)
+    try:
+        sharded = w.sample(w.lora(node, 0.8))
+        assert sp.call["qualname"] == "load" and sp.steps_run == 2 * 3
+    finally:
+        sp.close()
+    assert _rel(sharded, native) <= TOL
+    bare = nodes.NODE_CLASS_MAPPINGS["H3TestLoaderWithoutRecord"]().go(path)[0]
+    with pytest.raises(ValueError, match="a custom loader must register a cached_patcher_init factory"):
+        w.parallel(bare, 2)

@@ -106,12 +106,10 @@ class ShardPlan:
     """
 
     def __init__(self, plan, world_size=1, rank=0):
-        seq_len = plan.layout.seq_len
-        if world_size > seq_len:
-            raise ValueError("MiniMax H3 cannot split {} packed rows over {} ranks: use at most {} ranks".format(seq_len, world_size, seq_len))
+        self.plan = plan  # the whole sequence's: what a block patch that runs on every row needs
         self.rank = rank
         self.world_size = world_size
-        self.row_ranges = balanced_ranges(seq_len, world_size)
+        self.row_ranges = balanced_ranges(plan.layout.seq_len, world_size)
         self.start, self.stop = self.row_ranges[rank]
         self.mod_segments = [s for s in (clip_segment(s, self.start, self.stop) for s in plan.mod_segments) if s[0] < s[1]]
         self.video_seg = clip_segment(plan.video_seg, self.start, self.stop)
@@ -122,11 +120,3 @@ class ShardPlan:
 
         # (video, audio) target rows of every rank, in rank order: what a gather receives
         self.target_counts = [(held(plan.video_seg, a, b), held(plan.audio_seg, a, b)) for a, b in self.row_ranges]
-
-    @property
-    def rows(self):
-        return (self.start, self.stop)
-
-    def __repr__(self):
-        return "ShardPlan(rank {}/{}, rows [{}, {}), video {}, audio {})".format(
-            self.rank, self.world_size, self.start, self.stop, self.video_seg[:2], self.audio_seg[:2])

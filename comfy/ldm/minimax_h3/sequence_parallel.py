@@ -8,18 +8,22 @@ UlyssesParallel in transformer_options, after a preflight has proven patch versi
 equal on every rank.
 """
 
+import functools
 import hashlib
+import importlib
+import importlib.util
 import json
 import logging
 import os
+import sys
 import threading
 
 import torch
 
 import comfy.model_management
 import comfy.patcher_extension
-import comfy.sd
 from comfy import model_patcher_snapshot as snapshots
+from comfy.ldm.modules import attention
 from comfy.ldm.minimax.model import PackedLayout
 from comfy.parallel import ParallelGroup, register_op
 
@@ -33,8 +37,6 @@ TENSOR = "__tensor__"
 DTYPE = "__dtype__"
 # a worker loads the whole checkpoint in the setup op: as long as that takes while it is alive
 SETUP_TIMEOUT = 3600.0
-# ComfyUI loaders whose ModelPatcher records how to rebuild it (cached_patcher_init)
-LOADERS = {"load_diffusion_model": comfy.sd.load_diffusion_model, "load_checkpoint_guess_config": comfy.sd.load_checkpoint_guess_config}
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
                                                       torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
                                                       torch.bool)}
@@ -117,6 +119,28 @@ def decode(obj, tensors):
     return obj
 
 
+def attention_name(transformer_options):
+    """The registered name (comfy.ldm.modules.attention) of the per-model attention override, None without one.
+    Every rank runs it by that name; an override that has none cannot reach the other ranks and is refused."""
+    override = transformer_options.get("optimized_attention_override")
+    if override is None:
+        return None
+    # set_model_optimized_attention keeps the function it wraps
+    function = getattr(override, "optimized_attention", None)
+    name = next((n for n, f in attention.REGISTERED_ATTENTION_FUNCTIONS.items() if f is function), None)
+    if name is None:
+        raise ValueError("MiniMax H3 sequence parallelism runs a per-model attention override on every GPU by its registered name, "
+                         "and this one has none: register it with comfy.ldm.modules.attention.register_attention_function, or "
+                         "choose the attention with ComfyUI's launch flags (e.g. --use-sage-attention, --use-flash-attention)")
+    return name
+
+
+def attention_modules(patcher):
+    """The modules that register the attention function ``patcher`` overrides with (the workers import them)."""
+    name = attention_name(patcher.model_options.get("transformer_options", {}))
+    return [] if name is None else [attention.REGISTERED_ATTENTION_FUNCTIONS[name].__module__]
+
+
 def file_identity(path):
     """Size, mtime, inode and safetensors header hash: a changed file changes it, without a full read."""
     st = os.stat(path)
@@ -127,17 +151,37 @@ def file_identity(path):
 
 
 def loader_call(patcher):
-    """Rank 0's base ModelPatcher -> the JSON call that builds the same base model in a worker."""
+    """Rank 0's base ModelPatcher -> the JSON call that builds the same base model in a worker: the factory it
+    recorded (cached_patcher_init: ComfyUI's loaders record one, and so can a custom node's) and its arguments,
+    with the identity of every file among them."""
     init = patcher.cached_patcher_init
-    name = next((n for n, fn in LOADERS.items() if init is not None and init[0] is fn), None)
-    if name is None:
-        raise ValueError("MiniMax H3 Sequence Parallel needs a model from 'Load Diffusion Model' or 'Load Checkpoint', "
-                         "which workers can load again; place the node right after one")
-    args = list(init[1])
+    if init is None:
+        raise ValueError("MiniMax H3 Sequence Parallel needs a model whose loader records how to load it again "
+                         "(cached_patcher_init): ComfyUI's loaders do; a custom loader must register a cached_patcher_init factory")
+    factory, args = init[0], list(init[1])
+    module = sys.modules.get(factory.__module__)
+    if "<locals>" in factory.__qualname__ or module is None or not getattr(module, "__file__", None):
+        raise ValueError(f"the model's loader factory {factory.__qualname__} is not a function of a module the workers can "
+                         "import: register a module-level function as cached_patcher_init")
     if not _plain(args) or any(isinstance(a, torch.Tensor) for a in args):
-        raise ValueError("the model's loader arguments are not plain data, so workers cannot load it again: load it with a core loader")
-    return {"loader": name, "args": StepInputs().encode(args, "loader", []), "index": init[2] if len(init) > 2 else None,
-            "file": file_identity(init[1][0])}
+        raise ValueError("the model's loader arguments are not plain data, so workers cannot load it again")
+    return {"module": factory.__module__, "qualname": factory.__qualname__, "file": module.__file__,
+            "args": StepInputs().encode(args, "loader", []), "index": init[2] if len(init) > 2 else None,
+            "files": {a: file_identity(a) for a in args if isinstance(a, str) and os.path.isfile(a)}}
+
+
+def loader(call):
+    """The factory of ``loader_call``, imported as rank 0 did (a custom node's module from its file)."""
+    module = sys.modules.get(call["module"])
+    if module is None:
+        try:
+            module = importlib.import_module(call["module"])
+        except ModuleNotFoundError:
+            # a custom node: ComfyUI loads it from its file under a name that is no import path
+            spec = importlib.util.spec_from_file_location(call["module"], call["file"])
+            module = sys.modules[call["module"]] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+    return functools.reduce(getattr, call["qualname"].split("."), module)
 
 
 def describe(patcher):
@@ -158,10 +202,10 @@ def setup_op(ctx, meta):
     """Workers build rank 0's base model with rank 0's loader call; every rank answers with describe()."""
     if ctx.rank:
         call = meta["call"]
-        path = call["args"][0]
-        if file_identity(path) != call["file"]:
-            raise ValueError(f"checkpoint {path} changed on disk since rank 0 loaded it; load the model again in ComfyUI")
-        out = LOADERS[call["loader"]](*decode(call["args"], {}))
+        for path, identity in call["files"].items():
+            if file_identity(path) != identity:
+                raise ValueError(f"{path} changed on disk since rank 0 loaded it; load the model again in ComfyUI")
+        out = loader(call)(*decode(call["args"], {}))
         base = out if call["index"] is None else out[call["index"]]
         ctx.state.update(base=base, patcher=base, snapshot=snapshots.PatchSnapshot.empty(), describe=describe(base), inputs={})
         ctx.state["patch_version"] = list(ctx.state["snapshot"].version)
@@ -208,16 +252,43 @@ def forward_op(ctx, meta):
             del inputs[tid]
         if len(inputs) != len(meta["held"]):
             raise RuntimeError(f"rank {ctx.rank} lacks step inputs {sorted(set(meta['held']) - set(inputs))} rank 0 counts as sent")
-        model = ctx.state["patcher"].model.diffusion_model
+        patcher = ctx.state["patcher"]
+        model = patcher.model.diffusion_model
         args = decode(meta["args"], inputs)
         options = decode(meta["options"], inputs)
+        if meta["attention"] is not None:
+            # the override as rank 0's ModelPatcher made it, from the function registered under that name here
+            with_attention = patcher.clone()
+            with_attention.set_model_optimized_attention(attention.get_attention_function(meta["attention"]))
+            options["optimized_attention_override"] = with_attention.model_options["transformer_options"]["optimized_attention_override"]
 
         def run(options):
             return model._forward(args["x"], args["timestep"], args["context"], options, **args["kwargs"])
     sp = UlyssesParallel(ctx.rank, ctx.world_size, model.blocks[0].attn.heads, ctx.transport,
                          chunks=meta["chunks"], fp8=meta["fp8_exchange"])
-    video, audio = run(dict(options, **{SEQUENCE_PARALLEL: sp}))
+    options = dict(options, **{SEQUENCE_PARALLEL: sp})
+    if meta["patched_blocks"]:
+        options["patches_replace"] = patched_blocks(sp, options.get("patches_replace", {}), meta["patched_blocks"])
+    video, audio = run(options)
     return [video, audio] if ctx.rank == 0 else None
+
+
+def patched_blocks(sp, replace, blocks):
+    """Block patches (a Fun ControlNet tower, say) run on rank 0, as on one GPU: at each patched block every
+    rank's rows are gathered there, the patch runs on the whole sequence, and each rank gets its rows back.
+    -> patches_replace for this rank (the other ranks take part in the gather only)."""
+    def patched(patch):
+        def block(args, extra):
+            shard = args["shard"]
+            img, rope = sp.gather_rows(shard, args["img"]), sp.gather_rows(shard, args["rope_freqs"], dim=1)
+            if sp.rank == 0:
+                whole = shard.plan.shard()
+                img = patch(dict(args, img=img, rope_freqs=rope, mod_segments=whole.mod_segments, shard=whole, attention=None),
+                            extra)["img"]
+            return {"img": sp.scatter_rows(shard, img, args["img"])}
+        return block
+    dit = replace.get("dit", {}) if sp.rank == 0 else {("double_block", i): None for i in blocks}
+    return dict(replace, dit={key: patched(patch) for key, patch in dit.items()})
 
 
 class SequenceParallel:
@@ -254,6 +325,7 @@ class SequenceParallel:
         """Start the workers and their checkpoint load on a thread, while this one loads rank 0's model
         (touches no ModelPatcher: the thread runs the group and the setup op only)."""
         self._join()
+        self._add_imports(patcher)
         if self.group.state == "ready":
             return
         self._rank0_setup(patcher)
@@ -278,12 +350,20 @@ class SequenceParallel:
     def prepare(self, patcher):
         """Before sampling with ``patcher`` (ON_PRE_RUN): workers started, every rank on its patch state."""
         self._join()
+        self._add_imports(patcher)
         if self.group.state != "ready":
             self._rank0_setup(patcher)
             self._start_group()
         self._rank0["describe"] = describe(patcher)
         self.inputs.reset()
         self.sync(snapshots.PatchSnapshot.capture(patcher, previous=self.synced))
+
+    def _add_imports(self, patcher):
+        """Workers that lack the module registering ``patcher``'s attention function start again with it."""
+        modules = [m for m in attention_modules(patcher) if m not in self.imports]
+        if modules:
+            self.imports += modules
+            self.group.close()
 
     def _rank0_setup(self, patcher):
         model = patcher.model.diffusion_model
@@ -331,16 +411,12 @@ class SequenceParallel:
 
     def check(self, transformer_options, payload, x, context):
         """Refuse, before anything is sent, what would run on rank 0's rows only or cannot be split."""
-        blocks = sorted(str(k) for k in transformer_options.get("patches_replace", {}).get("dit", {}))
-        wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
-        problems = [f"block patches {blocks}"] if blocks else []
-        if wrappers and wrappers[-1] is not self:
-            problems.append("a diffusion model wrapper inside this one")
-        if "optimized_attention_override" in transformer_options:
-            problems.append("a per-model attention override (select the attention with ComfyUI's launch flags instead)")
-        if problems:
-            raise ValueError("MiniMax H3 sequence parallelism cannot run " + " and ".join(problems) +
-                             ": they would run on rank 0 only. Remove them or run on one GPU.")
+        replace = transformer_options.get("patches_replace", {})
+        odd = sorted(str(k) for k in replace if k != "dit") + sorted(str(k) for k in replace.get("dit", {}) if k[0] != "double_block")
+        if odd:
+            raise ValueError(f"MiniMax H3 sequence parallelism cannot run the block patches {odd} (H3 runs dit double_block "
+                             "patches only). Remove them or run on one GPU.")
+        attention_name(transformer_options)
         video, audio = x
         layout = payload.get("layout")
         if layout is None:
@@ -354,14 +430,24 @@ class SequenceParallel:
         """The options every rank's forward gets: data is sent; anything else stays on rank 0 (OnRank0)."""
         out = {}
         for key, value in transformer_options.items():
-            if key in (SEQUENCE_PARALLEL, "patches_replace"):
-                continue  # the runner's own; block patches were refused by check()
+            if key in (SEQUENCE_PARALLEL, "patches_replace", "optimized_attention_override"):
+                continue  # the runner's own; run on rank 0 (patched_blocks); sent by name
             out[key] = (self.inputs.encode(value, f"options.{key}", send) if _plain(value)
                         else {"__rank0__": [key, type(value).__name__]})
         return out
 
     def __call__(self, executor, x, timestep, context, transformer_options, **kwargs):
-        """The DIFFUSION_MODEL wrapper: one step on every rank -> rank 0's [video, audio] output."""
+        """The DIFFUSION_MODEL wrapper: one step on every rank -> rank 0's [video, audio] output. Wrappers added
+        after this one (EasyCache, say) run around the sharded step on rank 0, as if added before it: a step
+        they skip sends nothing."""
+        inner = executor.wrappers[executor.idx + 1:]
+        step = functools.partial(self._step, executor.original)
+        if inner:
+            return comfy.patcher_extension.WrapperExecutor.new_class_executor(step, executor.class_obj, inner).execute(
+                x, timestep, context, transformer_options, **kwargs)
+        return step(x, timestep, context, transformer_options, **kwargs)
+
+    def _step(self, forward, x, timestep, context, transformer_options, **kwargs):
         if self.synced is None:
             raise snapshots.SnapshotNotAcked("no patch snapshot has been synced to the sequence-parallel ranks; "
                                              "call prepare() (the node does this before sampling) before running steps")
@@ -374,10 +460,11 @@ class SequenceParallel:
         options = self._options(transformer_options, send)
         meta = {"args": args, "options": options, "send": [[tid, str(t.dtype).removeprefix("torch."), list(t.shape)] for tid, t in send],
                 "held": self.inputs.held(), "fresh_run": self.inputs.fresh_run, "chunks": self.chunks, "memory_required": self.memory_required,
-                "fp8_exchange": self.fp8_exchange}
+                "fp8_exchange": self.fp8_exchange, "attention": attention_name(transformer_options),
+                "patched_blocks": sorted(i for _, i in transformer_options.get("patches_replace", {}).get("dit", {}))}
         self.inputs.fresh_run = False
         self._rank0.update(send=[(tid, t.contiguous()) for tid, t in send], options=transformer_options,
-                           step=lambda options: executor(x, timestep, context, options, **kwargs))
+                           step=lambda options: forward(x, timestep, context, options, **kwargs))
         try:
             result = self.group.run(OP_FORWARD, meta)
         except BaseException:

@@ -14,6 +14,8 @@ scale per row and head (half the bytes of bf16; not exact). The target velocity 
 on every rank at the end.
 """
 
+import math
+
 import torch
 
 from .plan import balanced_ranges
@@ -88,6 +90,27 @@ class UlyssesParallel:
             for r, t in zip(raw, recvs):
                 _fp8_unpack(r, t)
         return wait
+
+    def gather_rows(self, shard, rows, dim=0):
+        """This rank's ``rows`` (its shard's rows along ``dim``) -> every rank's in order, on rank 0; None elsewhere."""
+        flat = rows.movedim(dim, 0).contiguous()
+        counts = [b - a for a, b in shard.row_ranges]
+        width, item = math.prod(flat.shape[1:]), flat.element_size()
+        recvs = [flat.new_empty(n, *flat.shape[1:]) for n in counts] if self.rank == 0 else [None] * self.world_size
+        self.transport.gather(flat, recvs, [n * width * item for n in counts]).wait()
+        return torch.cat(recvs).movedim(0, dim) if self.rank == 0 else None
+
+    def scatter_rows(self, shard, full, like, dim=0):
+        """Rank 0's ``full`` rows -> this rank's shard of them, shaped as ``like`` (this rank's rows before)."""
+        n = self.world_size
+        counts = [b - a for a, b in shard.row_ranges]
+        mine = like.movedim(dim, 0)
+        width, item = math.prod(mine.shape[1:]), mine.element_size()
+        sizes = [[counts[j] * width * item if i == 0 else 0 for j in range(n)] for i in range(n)]
+        sends = [p.contiguous() for p in full.movedim(dim, 0).split(counts)] if self.rank == 0 else [None] * n
+        recv = torch.empty_like(mine, memory_format=torch.contiguous_format)
+        self.transport.all_to_all(sends, [recv] + [None] * (n - 1), sizes).wait()
+        return recv.movedim(0, dim)
 
     def gather(self, shard, video_rows, audio_rows):
         """Every rank's target velocity rows -> the full (video, audio) rows, on every rank."""
