@@ -23,6 +23,7 @@ CONFIGS = {
     "fp8_card22": ("float8_e4m3fn", 50, 22, ["--disable-dynamic-vram"]),
     "fp8_uncapped_dynamic_vram": ("float8_e4m3fn", 50, None, []),
     "bf16_25_blocks_card16": ("bfloat16", 25, 16, ["--disable-dynamic-vram"]),
+    "bf16_12_blocks_card8": ("bfloat16", 12, 8, ["--disable-dynamic-vram"]),
 }
 
 

@@ -610,3 +610,47 @@ def test_a_model_from_a_custom_node_loader_shards_with_a_lora(workflow, tmp_path
     bare = nodes.NODE_CLASS_MAPPINGS["H3TestLoaderWithoutRecord"]().go(path)[0]
     with pytest.raises(ValueError, match="a custom loader must register a cached_patcher_init factory"):
         w.parallel(bare, 2)
+
+
+def test_workers_that_load_and_merge_longer_than_any_fixed_bound_are_waited_for_and_a_stopped_one_is_named(workflow):
+    """Each worker's checkpoint load and its LoRA merge take 8 s more (longer than Timeouts.stopped and
+    than the 7 s bound an earlier version killed such workers at): with the node's default timeouts the
+    start, the sync and the step succeed and equal the workflow without the node. Then, with 3 ranks, a
+    worker stopped (SIGSTOP) while the other still loads is named within Timeouts.stopped plus margin."""
+    import signal
+    import threading
+    import time
+    from comfy.parallel import ParallelGroupError
+    w = workflow
+    base = w.unet("h3_fp32.safetensors")
+    native = w.step(w.lora(base, 0.8))
+    node = w.parallel(base, 2)
+    sp = _runner(node)
+    sp.imports.append("comfy_extras_test.h3_slow_worker_for_tests")
+    sp.env = {"H3SP_TEST_SLOW_S": "8"}
+    t0 = time.monotonic()
+    try:
+        sharded = w.step(w.lora(node, 0.8))
+        assert time.monotonic() - t0 >= 16 and sp.group.state == "ready"
+    finally:
+        sp.close()
+    assert _rel(sharded, native) <= TOL
+
+    node = w.parallel(base, 3)
+    sp = _runner(node)
+    sp.imports.append("comfy_extras_test.h3_slow_worker_for_tests")
+    sp.env = {"H3SP_TEST_SLOW_S": "30"}
+    stopped = []
+
+    def stop_rank1_once_loading():
+        while not (sp.group.worker_pids() and sp.group._op is not None and sp.group._op.name.endswith("setup")):
+            time.sleep(0.05)
+        stopped.append(time.monotonic())
+        os.kill(sp.group.worker_pids()[1], signal.SIGSTOP)
+    threading.Thread(target=stop_rank1_once_loading, daemon=True).start()
+    try:
+        with pytest.raises(ParallelGroupError, match="worker rank 1 .* stayed stopped"):
+            w.step(node)
+        assert time.monotonic() - stopped[0] < 5 + 10
+    finally:
+        sp.close()
