@@ -22,7 +22,7 @@ from comfy.parallel import ParallelGroup, register_op  # noqa: E402
 if not torch.cuda.is_available():  # a smoke run on the CPU
     from comfy.cli_args import args
     args.cpu = True
-from h3_sp_emulation import build, inputs  # noqa: E402
+from h3_sp_emulation import build, inputs, save  # noqa: E402
 
 OP_PARITY = "bench.h3_parity"
 OP_LINK = "bench.link"
@@ -97,11 +97,8 @@ def main():
             parity_out = group.run(OP_PARITY, {"layers": a.layers, "case": a.case, "chunks": 2}, timeout=1200).values[0]
             print(json.dumps({"ranks": n, **parity_out}), flush=True)
             result["runs"].append({"ranks": n, "link": links, "parity": parity_out, "startup_s": group.startup_seconds})
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+        save(a.out, result)
+    save(a.out, result, finished=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from h3_sp_emulation import save
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name -> (checkpoint dtype, layers, emulated card GiB or None, extra main-job arguments)
 CONFIGS = {
@@ -130,11 +132,8 @@ def main():
         result["runs"][name] = run
         if all(CONFIGS[later][:2] != (dtype, layers) for later in names[i + 1:]):
             os.remove(path)  # the host memory it holds (/dev/shm) goes to the next configuration
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+        save(a.out, result)
+    save(a.out, result, finished=True)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ from types import SimpleNamespace
 
 import torch
 
+from h3_sp_emulation import init_random_
+
 RESOLUTIONS = {"832x480x124": (480, 832, 124), "1344x768x124": (768, 1344, 124)}
 TEXT_LEN = 512
 
@@ -55,19 +57,6 @@ def latent_shapes(height, width, frames):
     """EmptyMiniMaxH3LatentAV's shapes: 17k+5 frame grid, 16x spatial, 5-frame temporal grouping, 40 Hz audio."""
     latent_t = 2 if frames <= 5 else ((frames - 5) // 17) * 5 + 2
     return (1, 24, latent_t, height // 16, width // 16), (1, 32, 2, round(frames / 24 * 40))
-
-
-def init_random_(model, seed=0):
-    """Random weights in place: normal (std 0.02), norms 1, rope frequencies as the model's."""
-    gen = torch.Generator("cuda").manual_seed(seed)
-    for name, t in model.state_dict().items():
-        if name.endswith("rope.inv_freq"):
-            n = t.shape[0]
-            t.copy_(1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float64, device=t.device) / n)))
-        elif "norm" in name:
-            t.fill_(1.0)
-        else:
-            t.normal_(0.0, 0.02, generator=gen)
 
 
 def comfy_modules(comfy_dir):

@@ -110,9 +110,15 @@ def build(layers, device="cuda"):
     config = tiny if os.environ.get("H3SP_BENCH_TINY") else {}
     dtype = torch.float32 if config else torch.bfloat16
     model = h3.MiniMaxH3Model(num_layers=layers, **config, dtype=dtype, device=device, operations=comfy.ops.disable_weight_init)
-    model.requires_grad_(False)
-    gen = torch.Generator(device).manual_seed(0)
+    init_random_(model.requires_grad_(False))
+    return model
+
+
+def init_random_(model, seed=0):
+    """Random weights in place: normal (std 0.02), norms 1, rope frequencies as the model's."""
+    gen = None
     for name, t in model.state_dict().items():
+        gen = gen or torch.Generator(t.device).manual_seed(seed)
         if name.endswith("rope.inv_freq"):
             n = t.shape[0]
             t.copy_(1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float64, device=t.device) / n)))
@@ -120,7 +126,14 @@ def build(layers, device="cuda"):
             t.fill_(1.0)
         else:
             t.normal_(0.0, 0.02, generator=gen)
-    return model
+
+
+def save(path, result, finished=False):
+    """The JSON of a run, rewritten as it grows (a run cut short still leaves what it measured)."""
+    if finished:
+        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def inputs(case, model, device="cuda"):
@@ -221,16 +234,12 @@ def main():
                                "step_rounds": t.rounds / per_step}
                         entry["runs"].append(run)
                         print(json.dumps({"case": case, **{k: v for k, v in run.items() if k != "parts_ms"}}), flush=True)
-                        with open(a.out, "w") as f:
-                            json.dump(result, f, indent=1)
+                        save(a.out, result)
         for run in entry["runs"]:
             free = next(r for r in entry["runs"] if r["ranks"] == run["ranks"] and r["chunks"] == run["chunks"] and r["gbps"] is None)
             run["exposed_comm_s"] = run["step_s"] - free["step_s"]
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+        save(a.out, result)
+    save(a.out, result, finished=True)
 
 
 if __name__ == "__main__":
