@@ -7,7 +7,8 @@ rank 0 over private pipes and move data through the group's transport (shared me
 group's processes hold), so nothing listens on a socket. A monitor thread reads the workers'
 replies and logs and judges them by liveness: a worker that is alive and working (loading a
 checkpoint, merging a LoRA) is waited for up to the op's timeout; one that exits, stays stopped, or
-shows neither a heartbeat nor CPU time for ``Timeouts.silent`` breaks the group at once.
+shows neither a heartbeat, nor CPU time, nor a running or I/O state for ``Timeouts.silent`` breaks
+the group at once.
 """
 
 import collections
@@ -436,7 +437,8 @@ class ParallelGroup:
                     f"{self.timeouts.stopped:g}s (Timeouts.stopped) and was killed", w.rank))
                 continue
             beat = heartbeats[w.rank] if w.rank < len(heartbeats) else None
-            if (beat, cpu) != w.seen[:2]:
+            # running, or waiting on storage (a checkpoint read by page faults holds the GIL): working
+            if (beat, cpu) != w.seen[:2] or state in (b"R", b"D"):
                 w.seen = (beat, cpu, now)
             elif w.stopped_since is None and now - w.seen[2] > self.timeouts.silent:
                 self._set_fault(ParallelGroupError(
