@@ -96,8 +96,10 @@ class UlyssesParallel:
         flat = rows.movedim(dim, 0).contiguous()
         counts = [b - a for a, b in shard.row_ranges]
         width, item = math.prod(flat.shape[1:]), flat.element_size()
-        recvs = [flat.new_empty(n, *flat.shape[1:]) for n in counts] if self.rank == 0 else [None] * self.world_size
-        self.transport.gather(flat, recvs, [n * width * item for n in counts]).wait()
+        n = self.world_size
+        recvs = [flat.new_empty(c, *flat.shape[1:]) for c in counts] if self.rank == 0 else [None] * n
+        sizes = [[counts[i] * width * item if j == 0 else 0 for j in range(n)] for i in range(n)]
+        self.transport.all_to_all([flat] + [None] * (n - 1), recvs, sizes).wait()
         return torch.cat(recvs).movedim(0, dim) if self.rank == 0 else None
 
     def scatter_rows(self, shard, full, like, dim=0):
