@@ -23,18 +23,6 @@ def encode(kind, body):
     return _LENGTH.pack(len(raw)) + raw
 
 
-def decode(raw):
-    """One frame's JSON -> (kind, body); ValueError for anything else (bad JSON, nesting too deep, wrong shape)."""
-    try:
-        frame = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"a control frame is not JSON ({type(e).__name__})") from None
-    if not (isinstance(frame, dict) and set(frame) == {"kind", "body"} and isinstance(frame["kind"], str)
-            and isinstance(frame["body"], dict)):
-        raise ValueError(f"a control frame must be {{kind, body}}, got {raw[:120]!r}")
-    return frame["kind"], frame["body"]
-
-
 def write(fd, data, timeout):
     """To a non-blocking ``fd``: TimeoutError if the reader does not take it in time, BrokenPipeError if gone."""
     deadline = time.monotonic() + timeout
@@ -49,7 +37,7 @@ def write(fd, data, timeout):
 
 
 class Reader:
-    """Frames from a non-blocking ``fd`` as they arrive: ``feed()`` -> [(kind, body)]; EOFError at its end."""
+    """Frames from ``fd`` as they arrive: ``feed()`` -> [(kind, body)] (blocks on a blocking fd); EOFError at its end."""
 
     def __init__(self, fd):
         self.fd, self.buf = fd, bytearray()
@@ -69,25 +57,14 @@ class Reader:
                 raise ValueError(f"a control frame of {size} bytes; the limit is {MAX_FRAME}")
             if len(self.buf) < _LENGTH.size + size:
                 break
-            out.append(decode(bytes(self.buf[_LENGTH.size:_LENGTH.size + size])))
+            raw = bytes(self.buf[_LENGTH.size:_LENGTH.size + size])
             del self.buf[:_LENGTH.size + size]
+            try:
+                frame = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"a control frame is not JSON ({type(e).__name__})") from None
+            if not (isinstance(frame, dict) and set(frame) == {"kind", "body"} and isinstance(frame["kind"], str)
+                    and isinstance(frame["body"], dict)):
+                raise ValueError(f"a control frame must be {{kind, body}}, got {raw[:120]!r}")
+            out.append((frame["kind"], frame["body"]))
         return out
-
-
-def read(fd):
-    """One frame from a blocking ``fd`` -> (kind, body); EOFError when it closes."""
-    head = _read_exactly(fd, _LENGTH.size)
-    (size,) = _LENGTH.unpack(head)
-    if size > MAX_FRAME:
-        raise ValueError(f"a control frame of {size} bytes; the limit is {MAX_FRAME}")
-    return decode(_read_exactly(fd, size))
-
-
-def _read_exactly(fd, n):
-    out = bytearray()
-    while len(out) < n:
-        data = os.read(fd, n - len(out))
-        if not data:
-            raise EOFError("the control channel closed")
-        out += data
-    return bytes(out)

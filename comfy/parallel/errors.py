@@ -6,16 +6,6 @@ the next. ``ParallelGroupError`` (``ParallelTimeout``): a worker died, hung, sto
 protocol; every worker was killed and the next ``start()`` makes new ones.
 """
 
-import signal
-
-RESTART_HINT = "the next run starts new workers"
-
-
-def describe_exit(code):
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else f'signal {-code}'}"
-    return f"exited with code {code}"
-
 
 class ParallelError(RuntimeError):
     pass
@@ -34,8 +24,7 @@ class ParallelCancelled(ParallelError):
 
 
 class ParallelOpError(ParallelError):
-    """An op raised on worker ``rank``; ``type_name`` and ``remote_traceback`` are its exception's (also in
-    the log). The group stays ready."""
+    """An op raised on worker ``rank``; ``type_name`` and ``remote_traceback`` are its exception's (also logged)."""
 
     def __init__(self, message, rank, type_name, remote_traceback):
         self.rank, self.type_name, self.remote_traceback = rank, type_name, remote_traceback
@@ -43,12 +32,11 @@ class ParallelOpError(ParallelError):
 
 
 class ParallelGroupError(ParallelError):
-    """A rank failed and the group is broken. ``rank``: the rank at fault (None if unknown), ``exitcode``: a
-    worker's exit code, or None."""
+    """A rank failed and the group is broken. ``rank``: the rank at fault (None if unknown)."""
 
-    def __init__(self, reason, rank=None, exitcode=None):
-        self.reason, self.rank, self.exitcode = reason, rank, exitcode
-        super().__init__(f"{reason}; {RESTART_HINT}")
+    def __init__(self, reason, rank=None):
+        self.reason, self.rank = reason, rank
+        super().__init__(f"{reason}; the next run starts new workers")
 
 
 class ParallelTimeout(ParallelGroupError):

@@ -1,18 +1,17 @@
 """``ParallelGroup``: rank 0 (this process, ``devices[0]``) owns one headless worker process per other device.
 
 idle -> starting -> ready <-> running; a dead, stopped, hung or misbehaving worker -> broken (every
-worker killed) until close() -> closed. The group is an object: it takes no process-wide state
-(no torch.distributed group, no environment change, no signal or exit handler). Workers talk to
-rank 0 over private pipes and move data through the group's transport (shared memory that only the
-group's processes hold), so nothing listens on a socket. A monitor thread reads the workers'
-replies and logs and judges them by liveness: a worker that is alive and working (loading a
-checkpoint, merging a LoRA) is waited for up to the op's timeout; one that exits, stays stopped, or
-shows neither a heartbeat, nor CPU time, nor a running or I/O state for ``Timeouts.silent`` breaks
-the group at once.
+worker killed) until close() -> closed. No process-wide state (no torch.distributed group, environment
+change, signal or exit handler) and no socket: workers talk to rank 0 over private pipes and move data
+through the group's shared memory. A monitor thread judges workers by liveness: one that works (loads
+a checkpoint) is waited for up to the op's timeout; one that exits, stays stopped, or shows neither a
+heartbeat, CPU time, nor a running or I/O state for ``Timeouts.silent`` breaks the group at once.
 """
 
 import collections
+import contextlib
 import enum
+import functools
 import importlib
 import json
 import logging
@@ -25,11 +24,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 import comfy.cli_args
 
 from . import channel, ops
-from .errors import (ParallelCancelled, ParallelError, ParallelGroupError, ParallelOpError, ParallelStateError,
-                     ParallelTimeout, PreflightMismatch, describe_exit)
+from .errors import ParallelCancelled, ParallelError, ParallelGroupError, ParallelOpError, ParallelStateError, ParallelTimeout
 from .transport import HostTransport, OpAborted
 
 logger = logging.getLogger(__name__)
@@ -39,10 +39,8 @@ BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from comfy.para
 POLL = 0.1
 LOG_TAIL = 200
 SLOT_BYTES = 64 << 20
-STATUSES = ("ok", "error", "aborted", "mismatch")
 # modules whose code every rank must share, besides the ones an op names
-OWN_MODULES = ("comfy.parallel.channel", "comfy.parallel.group", "comfy.parallel.ops", "comfy.parallel.transport",
-               "comfy.parallel.worker")
+OWN_MODULES = tuple(f"comfy.parallel.{m}" for m in ("channel", "group", "ops", "transport", "worker"))
 
 
 @dataclass(frozen=True)
@@ -89,10 +87,8 @@ class _Worker:
     def signal(self, sig):
         """To the worker's whole process group (anything it started goes with it), until it is reaped."""
         if self.proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     def read_log(self):
         try:
@@ -124,9 +120,7 @@ class _Worker:
 
 class _Op:
     def __init__(self, op_id, name, timeout):
-        self.id, self.name, self.timeout = op_id, name, timeout
-        self.started = time.monotonic()
-        self.deadline = self.started + timeout
+        self.id, self.name, self.timeout, self.deadline = op_id, name, timeout, time.monotonic() + timeout
         self.replies, self.cancelled = {}, False
 
 
@@ -140,9 +134,8 @@ class ParallelGroup:
         self._quiet = threading.Event()  # set while no start() or run() is in flight
         self._quiet.set()
         self.state, self.error, self._op, self._workers, self._devices = "idle", None, None, [], []
-        self._op_id = 0
         self._transport = self._ctx = self._stop = self._monitor = None
-        self.startup_seconds = {}
+        self._op_id, self.startup_seconds = 0, {}
 
     world_size = property(lambda self: len(self._devices))
 
@@ -173,12 +166,11 @@ class ParallelGroup:
         try:
             self._start(imports, comfyui, local_state, env)
         except BaseException as exc:
-            err = self._fault_for(exc)
-            with self._cond:
-                self.state = "closing"
-            self._teardown(graceful=False)
-            with self._cond:
-                self.state = "closed"
+            if isinstance(exc, ParallelGroupError):
+                self._set_fault(exc)
+            err = exc if isinstance(exc, ParallelStateError) or self.error is None else self.error  # the fault under it
+            self._quiet.set()
+            self.close()
             if err is exc:
                 raise
             raise err from exc
@@ -205,12 +197,11 @@ class ParallelGroup:
         self._wait(lambda: all(w.phase == "ready" for w in self._workers), deadline,
                    lambda: ParallelTimeout(f"worker rank(s) {[w.rank for w in self._workers if w.phase != 'ready']} did not "
                                            f"start within {self.timeouts.startup:g}s (Timeouts.startup)"))
-        for w in self._workers:
-            odd = sorted(m for m, h in expected.items() if w.ready_body["fingerprints"].get(m) != h)
-            if odd:
-                files = ", ".join(getattr(sys.modules[m], "__file__", m) for m in odd)
-                raise ParallelError(f"{files} changed on disk after ComfyUI imported it, so workers would run other code "
-                                    "than ComfyUI does; restart ComfyUI to run the new code")
+        odd = sorted({m for w in self._workers for m, h in expected.items() if w.ready_body["fingerprints"].get(m) != h})
+        if odd:
+            files = ", ".join(getattr(sys.modules[m], "__file__", m) for m in odd)
+            raise ParallelError(f"{files} changed on disk after ComfyUI imported it, so workers would run other code "
+                                "than ComfyUI does; restart ComfyUI to run the new code")
         t1 = time.monotonic()
         self._ctx = ops.OpContext(0, self.world_size, self._devices[0], self._transport,
                                   state={} if local_state is None else local_state)
@@ -242,12 +233,13 @@ class ParallelGroup:
         ``ParallelCancelled``. ``ParallelGroupError``: the group broke. KeyError or TypeError before anything is sent."""
         fn, meta = ops.get_op(op_name), meta or {}
         with self._cond:
+            if self.state == "broken":
+                raise ParallelStateError(f"run(): group {self.name!r} is broken ({self.error.reason}); close() it and start() again")
             if self.state != "ready":
-                raise self._not_ready("run()")
+                raise ParallelStateError(f"run() needs state ready; group {self.name!r} is {self.state}")
             op = _Op(self._op_id + 1, op_name, timeout or self.timeouts.op)
             frame = channel.encode("run", {"id": op.id, "op": op_name, "meta": meta, "timeout": op.timeout})
-            self._op_id, self._op = op.id, op
-            self.state = "running"
+            self._op_id, self._op, self.state = op.id, op, "running"
             self._quiet.clear()
         try:
             return self._run(op, fn, frame, meta)
@@ -261,7 +253,7 @@ class ParallelGroup:
 
     def _run(self, op, fn, frame, meta):
         ctx, t = self._ctx, self._transport
-        ctx.op_id, ctx.op_name = op.id, op.name
+        ctx.op_name = op.name
         t.begin_op(op.id, op.deadline)
         try:
             for w in self._workers:
@@ -297,12 +289,9 @@ class ParallelGroup:
         if op.cancelled:
             raise ParallelCancelled(f"op {op.name!r} (id {op.id}) was cancelled; the group is ready for the next op")
         statuses = {r: m["status"] for r, m in op.replies.items()}
-        if "mismatch" in statuses.values():
-            raise PreflightMismatch(f"op {op.name!r}: ranks {sorted(r for r, s in statuses.items() if s == 'mismatch')} "
-                                    "found a preflight mismatch")
         if any(s != "ok" for s in statuses.values()):
             raise self._set_fault(ParallelGroupError(f"ranks left op {op.name!r} differently ({statuses})"))
-        return ops.OpResult([value] + [op.replies[r]["value"] for r in sorted(op.replies)], op.id, time.monotonic() - op.started)
+        return ops.OpResult([value] + [op.replies[r]["value"] for r in sorted(op.replies)])
 
     def cancel(self):
         """Make the op in flight stop on every rank; returns at once (True if one was in flight). Its run() raises
@@ -315,13 +304,6 @@ class ParallelGroup:
         self._transport.abort(op.id)
         return True
 
-    def _not_ready(self, what):
-        if self.state == "broken" and self.error is not None:
-            return ParallelStateError(f"{what}: group {self.name!r} is broken ({self.error.reason}); close() it and start() again")
-        return ParallelStateError(f"{what} needs state ready; group {self.name!r} is {self.state}")
-
-    # -- faults -------------------------------------------------------------------------------------
-
     def _set_fault(self, err):
         """Break the group with ``err`` (the first fault wins): every rank leaves its op, every worker dies."""
         with self._cond:
@@ -333,21 +315,17 @@ class ParallelGroup:
                              f"\nlast lines of rank {w.rank}'s log:\n{tail}" if tail else "")
                 if self.state in ("starting", "ready", "running"):
                     self.state = "broken"
-                if self._transport is not None:
-                    self._transport.abort(1 << 62)
                 self._cond.notify_all()
             kept = self.error
-        for w in self._workers:
-            w.signal(signal.SIGKILL)
+        self._kill_all()
         return kept
 
-    def _fault_for(self, exc):
-        """What a failed start() raises."""
-        if isinstance(exc, (ParallelGroupError, ParallelStateError)):
-            return self._set_fault(exc) if isinstance(exc, ParallelGroupError) else exc
-        if self.error is not None:
-            return self.error
-        return exc
+    def _kill_all(self):
+        """Every rank leaves its op now; every worker dies."""
+        if self._transport is not None:
+            self._transport.abort(1 << 62)
+        for w in self._workers:
+            w.signal(signal.SIGKILL)
 
     def _watch(self, stop):
         try:
@@ -357,19 +335,13 @@ class ParallelGroup:
                 with self._cond:
                     workers = list(self._workers)
                 for w in workers:
-                    for fd, what in ((w.pidfd, "exit"), (w.reply_fd, "reply"), (w.log_fd, "log")):
+                    # each handler returns whether its fd stays open
+                    for fd, handle in ((w.pidfd, self._on_exit), (w.reply_fd, self._read_replies), (w.log_fd, _Worker.read_log)):
                         if fd not in fds and not w.exited:
-                            fds[fd] = (w, what)
+                            fds[fd] = functools.partial(handle, w)
                             poller.register(fd, select.POLLIN)
                 for fd, _ in poller.poll(POLL * 1000):
-                    w, what = fds[fd]
-                    if what == "exit":
-                        poller.unregister(fd)
-                        self._on_exit(w)
-                    elif what == "reply":
-                        if not self._read_replies(w):
-                            poller.unregister(fd)
-                    elif not w.read_log():
+                    if not fds[fd]():
                         poller.unregister(fd)
                 self._check_workers()
         except Exception as e:
@@ -400,9 +372,7 @@ class ParallelGroup:
                     if body["status"] == "error":
                         self._transport.abort(op.id)
                 else:
-                    w.phase = kind
-                    if kind == "ready":
-                        w.ready_body = body
+                    w.phase, w.ready_body = kind, body
                 self._cond.notify_all()
         return True
 
@@ -417,12 +387,14 @@ class ParallelGroup:
                     f"during op {op.name!r}" if op is not None and w.rank not in op.replies else "while idle")
             closing = self.state in ("closing", "closed")
         if not closing:
-            self._set_fault(ParallelGroupError(f"worker rank {w.rank} (pid {w.pid}, {w.device}) {describe_exit(code)} {when}",
-                                               w.rank, code))
+            sig = next((s.name for s in signal.Signals if s == -code), f"signal {-code}")
+            how = f"exited with code {code}" if code >= 0 else f"was killed by {sig}"
+            self._set_fault(ParallelGroupError(f"worker rank {w.rank} (pid {w.pid}, {w.device}) {how} {when}", w.rank))
+        return False
 
     def _check_workers(self):
         now = time.monotonic()
-        heartbeats = self._transport.heartbeats() if self._transport is not None else []
+        heartbeats = self._transport.heartbeats()
         for w in list(self._workers):
             if w.exited or self.error is not None:
                 continue
@@ -436,21 +408,16 @@ class ParallelGroup:
                     f"worker rank {w.rank} (pid {w.pid}, {w.device}) stayed stopped (SIGSTOP? a debugger?) for more than "
                     f"{self.timeouts.stopped:g}s (Timeouts.stopped) and was killed", w.rank))
                 continue
-            beat = heartbeats[w.rank] if w.rank < len(heartbeats) else None
             # running, or waiting on storage (a checkpoint read by page faults holds the GIL): working
-            if (beat, cpu) != w.seen[:2] or state in (b"R", b"D"):
-                w.seen = (beat, cpu, now)
+            if (heartbeats[w.rank], cpu) != w.seen[:2] or state in (b"R", b"D"):
+                w.seen = (heartbeats[w.rank], cpu, now)
             elif w.stopped_since is None and now - w.seen[2] > self.timeouts.silent:
                 self._set_fault(ParallelGroupError(
                     f"worker rank {w.rank} (pid {w.pid}, {w.device}) showed no heartbeat and no CPU time for "
                     f"{self.timeouts.silent:g}s (Timeouts.silent): hung, and killed", w.rank))
 
-    # -- teardown -----------------------------------------------------------------------------------
-
-    def close(self, grace=None):
-        """Stop every worker (gracefully when idle) and free the transport. Idempotent; safe after any fault.
-        ``grace``: how long a start() or run() in flight on another thread gets to return once its workers
-        are killed."""
+    def close(self):
+        """Stop every worker (gracefully when idle) and free the transport. Idempotent; safe after any fault."""
         with self._cond:
             state = self.state
             if state in ("idle", "closed"):
@@ -462,20 +429,11 @@ class ParallelGroup:
             self.state = "closing"
             self._cond.notify_all()
         if state in ("starting", "running"):
-            if self._transport is not None:
-                self._transport.abort(1 << 62)
-            for w in self._workers:
-                w.signal(signal.SIGKILL)
-            if not self._quiet.wait(10.0 if grace is None else grace):
+            self._kill_all()
+            if not self._quiet.wait(10.0):  # the start() or run() in flight returns once its workers are killed
                 logger.error("parallel group %r: the thread in %s did not return; tearing down under it", self.name, state)
-        self._teardown(graceful=state == "ready")
-        with self._cond:
-            self.state = "closed"
-            self._cond.notify_all()
-
-    def _teardown(self, graceful):
         workers = self._workers
-        if graceful:
+        if state == "ready":  # idle workers shut down by themselves
             for w in workers:
                 try:
                     w.send("shutdown", {}, 1.0)
@@ -492,12 +450,13 @@ class ParallelGroup:
             self._stop = self._monitor = None
         for w in workers:
             w.close_fds()
-        with self._cond:
-            self._workers = []
         self._ctx = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+        with self._cond:
+            self._workers, self.state = [], "closed"
+            self._cond.notify_all()
 
 
 def _check_reply(kind, body, phase):
@@ -507,12 +466,9 @@ def _check_reply(kind, body, phase):
         return "unknown kind"
     if phase != want[kind]:
         return f"{kind!r} while {phase!r}"
-    if kind == "booted":
-        return "" if isinstance(body.get("pid"), int) else "no pid"
-    if kind == "ready":
-        prints = body.get("fingerprints")
-        return "" if isinstance(prints, dict) and all(isinstance(v, str) for v in prints.values()) else "no fingerprints"
-    if not (isinstance(body.get("id"), int) and body.get("status") in STATUSES and "value" in body):
+    if kind != "result":
+        return "" if kind == "booted" or isinstance(body.get("fingerprints"), dict) else "no fingerprints"
+    if not (isinstance(body.get("id"), int) and body.get("status") in ("ok", "error", "aborted") and "value" in body):
         return "a result needs id, status and value"
     err = body.get("error")
     if body["status"] == "error" and not (isinstance(err, dict) and all(isinstance(err.get(k), str) for k in ("type", "message", "traceback"))):
@@ -527,40 +483,31 @@ def _wait_all(workers, timeout):
 
 
 def _check_devices(devices):
-    """-> torch devices, all 'cpu' or all 'cuda:<i>' that exist (one may repeat: ranks can share a GPU);
-    ValueError before anything starts."""
-    import torch
+    """-> torch devices, all 'cpu' or all existing 'cuda:<i>' (ranks may share a GPU); ValueError otherwise."""
     parsed = [torch.device(d) for d in devices]
     kinds = {d.type for d in parsed}
     if len(parsed) < 2 or len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
         raise ValueError(f"a parallel group needs 2 or more devices, all 'cpu' or all 'cuda:<index>'; got {list(devices)}")
-    if kinds == {"cuda"}:
-        found = torch.cuda.device_count()
-        bad = [str(d) for d in parsed if d.index is None or d.index >= found]
-        if bad:
-            raise ValueError(f"devices {', '.join(bad)} were asked for, but this machine has {found} CUDA device(s) "
-                             f"({', '.join(f'cuda:{i}' for i in range(found)) or 'none'}); name only those, with their index")
+    found = torch.cuda.device_count() if kinds == {"cuda"} else 0
+    bad = [str(d) for d in parsed if d.type == "cuda" and (d.index is None or d.index >= found)]
+    if bad:
+        raise ValueError(f"devices {', '.join(bad)} were asked for, but this machine has {found} CUDA device(s) "
+                         f"({', '.join(f'cuda:{i}' for i in range(found)) or 'none'}); name only those, with their index")
     return parsed
 
 
 def _comfyui_start():
     """What a worker needs to start ComfyUI as this process did: the whole ``comfy.cli_args.args`` as JSON (enums
-    by class name and value, sets as lists; an argument of another type is refused by name rather than
-    dropped), and whether DynamicVRAM came up here."""
+    by class name and value, sets as lists) and whether DynamicVRAM came up here."""
     from comfy import memory_management  # loaded by the caller's ComfyUI already; not by comfy.parallel alone
 
-    def encode(name, v):
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return v
+    def encode(v):
         if isinstance(v, enum.Enum):
             return {"enum": type(v).__name__, "value": v.value}
-        if isinstance(v, (list, tuple)):
-            return [encode(name, x) for x in v]
         if isinstance(v, (set, frozenset)):
-            return {"set": sorted((encode(name, x) for x in v), key=json.dumps)}
-        raise ParallelError(f"ComfyUI's argument {name!r} holds a {type(v).__name__}, which the workers cannot be started with")
-    return {"args": {k: encode(k, v) for k, v in vars(comfy.cli_args.args).items()},
-            "dynamic_vram": memory_management.aimdo_enabled}
+            return {"set": list(v)}
+        raise ParallelError(f"one of ComfyUI's arguments holds a {type(v).__name__}, which the workers cannot be started with")
+    return {"args": json.dumps(vars(comfy.cli_args.args), default=encode), "dynamic_vram": memory_management.aimdo_enabled}
 
 
 def _worker_env(device, extra):

@@ -3,7 +3,6 @@ that prove every rank runs the same code."""
 
 import hashlib
 import importlib
-import sys
 import types
 from dataclasses import dataclass, field
 
@@ -15,12 +14,10 @@ _OPS = {}
 
 
 def register_op(name, fn=None):
-    """Register ``fn(ctx, meta) -> value`` as op ``name`` (without ``fn``: a decorator).
-
-    An op runs on every rank, rank 0 in the calling thread, with rank 0's JSON ``meta``. Ranks move
-    tensors with ``ctx.transport``. Rank 0's value is returned to the caller as is; a worker's must be
-    JSON. Workers import the modules named in ``ParallelGroup.start(devices, imports)``, which
-    register their ops."""
+    """Register ``fn(ctx, meta) -> value`` as op ``name`` (without ``fn``: a decorator). It runs on every rank
+    (rank 0 in the calling thread) with rank 0's JSON ``meta``; ranks move tensors with ``ctx.transport``.
+    Rank 0's value reaches the caller as is, a worker's must be JSON. Workers import the modules named in
+    ``ParallelGroup.start(devices, imports)``, which register their ops."""
     if fn is None:
         return lambda f: register_op(name, f)
     old = _OPS.get(name)
@@ -43,8 +40,6 @@ def get_op(name):
 @dataclass
 class OpResult:
     values: list  # rank r's value at [r]: rank 0's as returned, the workers' as JSON
-    op_id: int
-    seconds: float
 
 
 @dataclass
@@ -55,7 +50,6 @@ class OpContext:
     device: torch.device
     transport: object
     state: dict = field(default_factory=dict)
-    op_id: int = 0
     op_name: str = ""
 
     def preflight(self, digest):
@@ -85,21 +79,16 @@ def code_fingerprints(module_names):
     since this process imported it then differs from what a new process imports)."""
     out = {}
     for name in module_names:
-        module = sys.modules.get(name) or importlib.import_module(name)
-        h = hashlib.sha256()
-        for key, obj in sorted(vars(module).items()):
+        h = out[name] = hashlib.sha256()
+        for key, obj in sorted(vars(importlib.import_module(name)).items()):
             if getattr(obj, "__module__", None) != name:
                 continue
-            codes = [obj] if isinstance(obj, types.FunctionType) else list(vars(obj).values()) if isinstance(obj, type) else []
-            for item in codes:
-                item = getattr(item, "__func__", item)
-                if isinstance(item, property):
-                    item = item.fget
+            for item in vars(obj).values() if isinstance(obj, type) else [obj]:
+                item = item.fget if isinstance(item, property) else getattr(item, "__func__", item)
                 if isinstance(item, types.FunctionType):
                     h.update(key.encode())
                     _hash_code(h, item.__code__)
-        out[name] = h.hexdigest()
-    return out
+    return {name: h.hexdigest() for name, h in out.items()}
 
 
 @register_op("parallel.probe")

@@ -1,17 +1,16 @@
 """A worker: a headless process running ops as rank r of a ParallelGroup, started by ``group.BOOT``.
 
-It reads "hello", replies "booted", runs ComfyUI's start-up with rank 0's arguments when asked,
-imports the op modules, attaches the transport, replies "ready" with the fingerprints of the code it
-runs, then serves "run" until "shutdown". Its output goes to rank 0's log. It exits once rank 0
-closes its pipe or exits. Exit codes: 3 a bad frame, 4 rank 0 gone, 6 start-up failed, 7 the worker
-loop failed.
+hello -> "booted" -> ComfyUI's start-up with rank 0's arguments (when asked), the op modules, the
+transport -> "ready" with the fingerprints of its code -> "run" until "shutdown". Its output goes to
+rank 0's log; it exits once rank 0 closes its pipe or exits. Exit codes: 3 a bad frame, 4 rank 0
+gone, 6 start-up failed, 7 the worker loop failed.
 """
 
 import faulthandler
 import importlib
+import json
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -40,8 +39,8 @@ def _leave(code):
 
 
 class Worker:
-    def __init__(self, rank, cmd_fd, reply_fd, hello):
-        self.rank, self.cmd_fd, self.reply_fd, self.hello, self.work = rank, cmd_fd, reply_fd, hello, queue.SimpleQueue()
+    def __init__(self, rank, frames, reply_fd, hello):
+        self.rank, self.frames, self.reply_fd, self.hello = rank, frames, reply_fd, hello
 
     def send(self, kind, body):
         try:
@@ -49,22 +48,6 @@ class Worker:
         except (OSError, TimeoutError) as e:
             logger.error("cannot reply to rank 0 (%s); exiting", e)
             _leave(4)
-
-    def read_commands(self):
-        """The control reader thread: "run" and "shutdown" become work; the end of the pipe ends the process."""
-        while True:
-            try:
-                kind, body = channel.read(self.cmd_fd)
-            except EOFError:
-                logger.warning("rank 0 closed the control channel (it exited or dropped the group); exiting")
-                _leave(4)
-            except (OSError, ValueError) as e:
-                logger.error("rejected a control frame from rank 0: %s; exiting", e)
-                _leave(3)
-            if kind not in ("run", "shutdown"):
-                logger.error("unexpected %r frame after start-up; exiting", kind)
-                _leave(3)
-            self.work.put((kind, body))
 
     def start(self):
         h = self.hello
@@ -86,28 +69,34 @@ class Worker:
         return ops.OpContext(self.rank, h["world_size"], device, transport)
 
     def serve(self, ctx):
-        while True:
-            kind, body = self.work.get()
-            if kind == "shutdown":
-                logger.info("shutdown requested by rank 0")
-                _leave(0)
-            self.send("result", self.run(ctx, body))
+        """Ops until "shutdown"; the end of the pipe ends the process (rank 0 exited or dropped the group)."""
+        try:
+            for kind, body in self.frames:
+                if kind == "shutdown":
+                    logger.info("shutdown requested by rank 0")
+                    _leave(0)
+                if kind != "run":
+                    logger.error("unexpected %r frame after start-up; exiting", kind)
+                    _leave(3)
+                self.send("result", self.run(ctx, body))
+        except EOFError:
+            logger.warning("rank 0 closed the control channel (it exited or dropped the group); exiting")
+            _leave(4)
+        except (OSError, ValueError) as e:
+            logger.error("rejected a control frame from rank 0: %s; exiting", e)
+            _leave(3)
 
     def run(self, ctx, body):
         op_id, name, t = body["id"], body["op"], ctx.transport
-        ctx.op_id, ctx.op_name = op_id, name
+        ctx.op_name = name
         t.begin_op(op_id, time.monotonic() + body["timeout"])
         try:
-            fn = ops.get_op(name)
-            value = fn(ctx, body["meta"])
+            value = ops.get_op(name)(ctx, body["meta"])
             channel.encode("result", {"value": value})  # JSON, or the op fails here
             return {"id": op_id, "status": "ok", "value": value}
-        except OpAborted:
-            logger.info("op %r (id %d) aborted", name, op_id)
+        except (OpAborted, PreflightMismatch) as e:  # every rank left the op (rank 0 raises a mismatch)
+            logger.info("op %r (id %d) left: %s", name, op_id, e)
             return {"id": op_id, "status": "aborted", "value": None}
-        except PreflightMismatch as e:
-            logger.warning("%s", e)
-            return {"id": op_id, "status": "mismatch", "value": None}
         except Exception as e:
             t.abort(op_id)  # every rank leaves the op now
             logger.exception("op %r (id %d) raised", name, op_id)
@@ -127,22 +116,23 @@ def _start_comfyui(start, cpu):
     """Before any ComfyUI model code is imported: rank 0's args, then ComfyUI's own start-up of the device
     and DynamicVRAM (main.py runs the same), so that attention, dtypes and memory follow those args;
     DynamicVRAM only where rank 0 runs it, so that every rank has the same kind of ModelPatcher."""
-    def decode(v):
-        if isinstance(v, dict) and set(v) == {"enum", "value"}:
-            return getattr(comfy.cli_args, v["enum"])(v["value"])
-        if isinstance(v, dict) and set(v) == {"set"}:
-            return {decode(x) for x in v["set"]}
-        if isinstance(v, list):
-            return [decode(x) for x in v]
-        return v
+    def decode(d):
+        if set(d) == {"enum", "value"}:
+            return getattr(comfy.cli_args, d["enum"])(d["value"])
+        return set(d["set"]) if set(d) == {"set"} else d
     args = comfy.cli_args.args
-    vars(args).update({k: decode(v) for k, v in start["args"].items()})
+    vars(args).update(json.loads(start["args"], object_hook=decode))
     if cpu:
         args.cpu = True  # this worker's device; rank 0 may run on a GPU
     if not start["dynamic_vram"]:
         args.enable_dynamic_vram, args.disable_dynamic_vram = False, True
     comfy.dynamic_vram.init_allocator()
     comfy.dynamic_vram.enable(comfy.cli_args.get_console_log_level(args.verbose))
+
+
+def _frames(reader):
+    while True:
+        yield from reader.feed()
 
 
 def _watch_parent(parent_pid):
@@ -165,13 +155,13 @@ def main(argv):
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    frames = _frames(channel.Reader(cmd_fd))
     try:
-        worker = Worker(rank, cmd_fd, reply_fd, channel.read(cmd_fd)[1])
+        worker = Worker(rank, frames, reply_fd, next(frames)[1])
     except (EOFError, OSError, ValueError) as e:
         logger.error("no start-up frame from rank 0: %s", e)
         _leave(4)
-    worker.send("booted", {"pid": os.getpid()})
-    threading.Thread(target=worker.read_commands, name="parallel-control-reader", daemon=True).start()
+    worker.send("booted", {})
     try:
         ctx = worker.start()
     except BaseException:
