@@ -79,7 +79,7 @@ class UlyssesParallel:
         if not self.fp8:
             item = recvs[0].element_size()
             work = self.transport.all_to_all([t.contiguous() for t in sends], recvs,
-                                             [[_numel(shapes[i][j]) * item for j in range(n)] for i in range(n)])
+                                             [[math.prod(shapes[i][j]) * item for j in range(n)] for i in range(n)])
             return work.wait
         sizes = [[_fp8_bytes(shapes[i][j]) for j in range(n)] for i in range(n)]
         raw = [torch.empty(sizes[i][self.rank], dtype=torch.uint8, device=recvs[i].device) for i in range(n)]
@@ -130,16 +130,9 @@ class UlyssesParallel:
         return torch.cat(video), torch.cat(audio)
 
 
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _fp8_bytes(shape):
     # fp8 values, then one fp32 scale per row of the last dim
-    n = _numel(shape)
+    n = math.prod(shape)
     return n + n // shape[-1] * 4 if n else 0
 
 
