@@ -234,8 +234,8 @@ def patches_op(ctx, meta):
 @register_op(OP_FORWARD)
 def forward_op(ctx, meta):
     """This rank's rows of one step; every rank ends with the full output, rank 0 returns it."""
-    if ctx.rank:
-        load(ctx.state["patcher"], meta["memory_required"])
+    if ctx.rank and meta["fresh_run"]:
+        load(ctx.state["patcher"], meta["memory_required"])  # once per sampling run, as rank 0's sampler does
     ctx.preflight(hashlib.sha256(json.dumps([ctx.state["patch_version"], ctx.state["describe"]], sort_keys=True).encode()).hexdigest())
     if ctx.rank == 0:
         ctx.transport.broadcast([t for _, t in ctx.state.pop("send")])
