@@ -506,12 +506,14 @@ def test_a_registered_attention_override_runs_on_every_rank_by_name(workflow):
     assert _rel(sharded, native) <= TOL and _rel(native, plain) > 1e-3
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_the_node(workflow, world):
+@pytest.mark.parametrize("world,feeds_block", [(2, False), (3, False), (2, True)])
+def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_the_node(workflow, world, feeds_block):
     """The Fun ControlNet-Union tower (comfy/ldm/minimax/controlnet.py) joins the model as double-block
-    patches, as its apply node does. Under sharding each patched block gathers every rank's rows on rank 0
-    and runs there as on one GPU (control tower included), then every rank gets its rows back: KSampler with
-    the patch equals the same workflow without the node."""
+    patches, as its apply node does. Under sharding the model's own block runs sharded on every rank, its
+    input and output rows are gathered on rank 0, the patch (control tower included) runs there as on one
+    GPU, then every rank gets its rows back: KSampler with the patch equals the same workflow without the
+    node. ``feeds_block``: the patch calls the model's block on other input (hint added before it), which
+    rank 0 then runs on the whole sequence."""
     import comfy.ops
     from comfy.ldm.minimax.controlnet import MiniMaxH3FunControl
     c = TINY_CONFIG
@@ -531,6 +533,8 @@ def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_th
         if i == 0:
             state["c"] = control.init_stream(args["img"], control_latent, args["layout"], args["t_emb"])
         state["c"], hint = control.step(i, state["c"], args["t_emb"], args["mod_segments"], args["rope_freqs"], args["transformer_options"])
+        if feeds_block:
+            return extra["original_block"](dict(args, img=args["img"] + 0.7 * hint))
         return {"img": extra["original_block"](args)["img"] + 0.7 * hint}
 
     def with_control(m):
@@ -540,15 +544,23 @@ def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_th
         return m
     w = workflow
     base = w.unet("h3_fp32.safetensors")
+    rows = []  # rows of the model's own blocks run in this process (the tower's blocks are not these modules)
+    hooks = [b.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0])) for b in base.model.diffusion_model.blocks]
     plain, native = w.sample(base), w.sample(with_control(base))
+    wholes = set(rows)
     node = w.parallel(base, world)
     sp = _runner(node)
     try:
+        rows.clear()
         sharded = w.sample(with_control(node))
         assert sp.steps_run == 2 * 3
     finally:
+        [h.remove() for h in hooks]
         sp.close()
     assert _rel(sharded, native) <= TOL and _rel(native, plain) > 1e-3
+    # the model's blocks ran on rank 0's rows, sharded; a patch feeding its block other input gets it on the whole sequence
+    whole = [r for r in rows if r in wholes]  # blocks run on a whole sequence (cond or uncond)
+    assert len(whole) == (len(control.injection_layers) * 2 * 3 if feeds_block else 0)
 
 
 CUSTOM_LOADER = """

@@ -274,18 +274,27 @@ def forward_op(ctx, meta):
 
 
 def patched_blocks(sp, replace, blocks):
-    """Block patches (a Fun ControlNet tower, say) run on rank 0, as on one GPU: at each patched block every
-    rank's rows are gathered there, the patch runs on the whole sequence, and each rank gets its rows back.
-    -> patches_replace for this rank (the other ranks take part in the gather only)."""
+    """Block patches (a Fun ControlNet tower, say) run on rank 0, as on one GPU, around a sharded block: every
+    rank runs the model's own block on its rows (its attention through the hook), then the block's input and
+    output rows are gathered on rank 0, the patch runs there on the whole sequence with ``original_block``
+    answering from the gathered output, and each rank gets its rows back. A patch that calls
+    ``original_block`` with other inputs, or twice, gets it run on rank 0 on the whole sequence (exact, not
+    sharded). -> patches_replace for this rank (the other ranks take part in the block and the gathers only)."""
     def patched(patch):
         def block(args, extra):
-            shard = args["shard"]
-            img, rope = sp.gather_rows(shard, args["img"]), sp.gather_rows(shard, args["rope_freqs"], dim=1)
+            shard, mine = args["shard"], args["img"]
+            img, rope = sp.gather_rows(shard, mine), sp.gather_rows(shard, args["rope_freqs"], dim=1)
+            out = extra["original_block"](args)["img"]  # the block adds to its input in place: gathered before
+            rows = sp.gather_rows(shard, out)
             if sp.rank == 0:
                 whole = shard.plan.shard()
-                img = patch(dict(args, img=img, rope_freqs=rope, mod_segments=whole.mod_segments, shard=whole, attention=None),
-                            extra)["img"]
-            return {"img": sp.scatter_rows(shard, img, args["img"])}
+                ready = [rows]
+
+                def original_block(a):
+                    return {"img": ready.pop()} if ready and a["img"] is img else extra["original_block"](a)
+                full = dict(args, img=img, rope_freqs=rope, mod_segments=whole.mod_segments, shard=whole, attention=None)
+                rows = patch(full, dict(extra, original_block=original_block))["img"]
+            return {"img": sp.scatter_rows(shard, rows, mine)}
         return block
     dit = replace.get("dit", {}) if sp.rank == 0 else {("double_block", i): None for i in blocks}
     return dict(replace, dit={key: patched(patch) for key, patch in dit.items()})
