@@ -8,7 +8,7 @@ copies the bytes the real one would deliver into this rank's receive buffers (de
 spins until the time the link takes for them has passed: the larger of the bytes sent and received
 over the link bandwidth (the host path copies both directions at once), plus the fixed cost of one
 collective of the shipped transport at that rank count, measured on this machine by
-h3_h200_shared_gpu.py (a 1 KB all-to-all; --latency-from its JSON). The compute stream waits on that, so the chunk pipeline overlaps
+h3_shared_gpu.py (a 1 KB all-to-all; --latency-from its JSON). The compute stream waits on that, so the chunk pipeline overlaps
 communication with compute as the code makes it. The peers are symmetric and not run. Host-side
 waits of the real transport are not modelled (this only removes host latency).
 
@@ -194,7 +194,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4, help="real-width blocks built (the median block is projected to 50)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--chunks", default="2")
-    ap.add_argument("--latency-from", required=True, help="h3_h200_shared_gpu.py's JSON: the transport's cost of one collective by rank count")
+    ap.add_argument("--latency-from", required=True, help="h3_shared_gpu.py's JSON: the transport's cost of one collective by rank count")
     a = ap.parse_args()
     with open(a.latency_from) as f:
         measured = {r["ranks"]: next(link["s_per_call"] for link in r["link"] if link["mb_per_pair"] == 0.001) for r in json.load(f)["runs"]}

@@ -1,4 +1,4 @@
-"""Real-size MiniMax H3 on the users' GPUs, emulated on one H200: the project's main job (ComfyUI's
+"""Real-size MiniMax H3 on the users' GPUs, emulated on one GPU: the project's main job (ComfyUI's
 UNETLoader, the node, KSampler; scripts/h3_sequence_parallel.py) with two ranks that share cuda:0,
 each process seeing a smaller card (bench/device_site: torch's allocator capped, and the free and
 total memory ComfyUI plans with reporting that card), weights larger than the card, against the same
@@ -6,7 +6,7 @@ workflow on one process under the same cap. Sampled every 0.25 s: each process's
 (nvidia-smi) and resident host memory (/proc), their peaks reported per rank. Both ranks share one
 GPU: step times here are a correctness and memory figure, not a speed-up.
 
-  python bench/h3_h200_users_gpus.py --tree TREE --dir /dev/shm --out users_gpus.json
+  python bench/h3_users_gpus.py --tree TREE --dir /dev/shm --out users_gpus.json
 """
 
 import argparse
@@ -99,7 +99,13 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     a = ap.parse_args()
     tree = os.path.abspath(a.tree)
-    result = {"what": __doc__.split("\n\n")[0], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
+    try:  # not through torch: this process holds no CUDA context
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        gpu = None
+    result = {"what": __doc__.split("\n\n")[0], "gpu": gpu,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
     names = a.configs.split(",")
     for i, name in enumerate(names):
         dtype, layers, card, extra = CONFIGS[name]

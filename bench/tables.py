@@ -29,10 +29,11 @@ BENCH_README = ROOT / "bench" / "README.md"
 BEGIN = "<!-- tables:begin -->"
 END = "<!-- tables:end -->"
 
-EMULATION_JSON = "h3_h200_emulation.json"
-SHARED_JSON = "h3_h200_shared_gpu.json"
-USERS_JSON = "h3_h200_users_gpus.json"
-GPU_TEST_LOG = "h3_h200_gpu_test.log"
+EMULATION_JSON = "h3_gpu_emulation.json"
+SHARED_JSON = "h3_gpu_shared.json"
+USERS_JSON = "h3_gpu_users.json"
+CONTROL_JSON = "h3_gpu_controlnet.json"
+GPU_TEST_LOG = "h3_gpu_test.log"
 SEAM_CUDA_JSON = "h3_h200_seam_cuda.json"
 INPROCESS_JSON = "h3_h200_inprocess.json"
 INPROCESS_RR_JSON = "h3_h200_inprocess_round_robin.json"
@@ -45,16 +46,19 @@ LINK_NAMES = {"nvlink": "NVLink", "pcie4x16": "PCIe 4 x16", "pcie3x8": "PCIe 3 x
 # bench/README.md's index: results file (a glob) -> the command that writes it -> the question it answers.
 # --check fails on a JSON in bench/results/ that no entry matches and on a named file that is missing; a
 # glob that matches nothing (a run that may come back) is left out of the table.
-DEVICE = "on the H200 through `bench/device/run.sh`"
+DEVICE = "on the borrowed GPU through `bench/device/run.sh`"
 INDEX = (
-    (EMULATION_JSON, "`SECTIONS=\"shared emulation\" bash bench/device/run.sh` on the H200; its emulation section runs "
-                     "`h3_sp_emulation.py --latency-from h3_h200_shared_gpu.json` in the patched tree",
+    (EMULATION_JSON, "`SECTIONS=\"shared emulation\" bash bench/device/run.sh` on the borrowed GPU; its emulation section runs "
+                     "`h3_sp_emulation.py --latency-from h3_gpu_shared.json` in the patched tree",
      "How would the shipped code scale with N at NVLink and PCIe bandwidths, bf16 and fp8 exchange (EMULATED on one "
      "GPU), and how much communication is left exposed?"),
-    (SHARED_JSON, f"`h3_h200_shared_gpu.py --ranks 2,4,8 --layers 2` in the patched tree ({DEVICE}, section `shared`)",
+    (SHARED_JSON, f"`h3_shared_gpu.py --ranks 2,4,8 --layers 2` in the patched tree ({DEVICE}, section `shared`)",
      "With N real ranks on one GPU, does sharded H3 give the native output with bf16 and with fp8 exchange, and what "
      "do the transport's collectives cost?"),
-    (USERS_JSON, f"`h3_h200_users_gpus.py --configs fp8_card22` and the uncapped run `--configs fp8_uncapped_dynamic_vram` "
+    (CONTROL_JSON, f"`h3_shared_gpu.py --ranks 2 --layers 2 --control --skip-link` in the patched tree ({DEVICE}, "
+                   "section `control`)",
+     "What does a Fun ControlNet tower cost per forward sharded vs native, and is the sharded output the native one?"),
+    (USERS_JSON, f"`h3_users_gpus.py --configs fp8_card22` and the uncapped run `--configs fp8_uncapped_dynamic_vram` "
                  f"({DEVICE}, section `users`; the JSON's `notes` say which code each ran)",
      "Does real-size H3 run on two ranks whose cards are smaller than its weights, at what GPU and host memory per rank?"),
     (GPU_TEST_LOG, "`pytest -m gpu tests-unit/comfy_extras_test/nodes_minimax_h3_parallel_gpu_test.py` in the patched "
@@ -158,6 +162,13 @@ def machine(d):
     return s + (f" (run started {d['started']})" if d.get("started") else "")
 
 
+def card(d):
+    """The GPU a run's JSON names, short ("H100", "H200"), or "GPU"."""
+    m = d.get("machine") if isinstance(d.get("machine"), dict) else {}
+    name = d.get("gpu") or m.get("gpu") or ""
+    return next((w for w in name.split() if re.fullmatch(r"[A-Z]+\d+", w)), "GPU")
+
+
 def caption(title, names, where, method=""):
     """The bold title, the method (optional), the source files and the machine."""
     names = [names] if isinstance(names, str) else names
@@ -230,7 +241,7 @@ def t_scaling(results):
               f"{d.get('blocks_projected', '?')}) through the shipped `ulysses.py`, {chunks} head chunks. Only its "
               "all-to-alls are replaced, by device copies of the same bytes paced to the link's bandwidth plus the "
               f"shipped transport's measured cost per collective (`collective_latency_s`: {lat_text}).")
-    out = [caption("Sequence-parallel scaling of the shipped code, EMULATED on one H200: speed-up of a step over the "
+    out = [caption(f"Sequence-parallel scaling of the shipped code, EMULATED on one {card(d)}: speed-up of a step over the "
                    "native step (N = 1).", EMULATION_JSON, machine(d), method), ""]
     header = ["case", "tokens", "N", "compute only (free link)"] + [f"{link_label(d, k)}, bf16" for k in links]
     fp8_link = "pcie3x8" if "pcie3x8" in links else links[-1]
@@ -252,7 +263,7 @@ def t_scaling(results):
 def t_exposed(results):
     d, cases, chunks = emulation(results)
     links = sorted(list(d.get("links_gbps") or {}) + list(d.get("peers") or {}), key=lambda k: -(gbps_of(d, k) or 0))
-    out = [caption("Exposed communication of the shipped code, EMULATED on one H200: seconds per step that the "
+    out = [caption(f"Exposed communication of the shipped code, EMULATED on one {card(d)}: seconds per step that the "
                    "all-to-alls add to rank 0's step, bf16 / fp8 exchange.", EMULATION_JSON, machine(d),
                    "Exposed = the emulated step at a link minus the same step with a free link (compute only)."), ""]
     rows = []
@@ -328,7 +339,7 @@ def t_peers(results):
         p = d["peers"][key]
         link = (f"EMULATED link {p['emulated_gbps']:.1f} GB/s = {p['peer_gbps']:g} GB/s x {p['peer_one_gpu_step_s']:g} s / "
                 f"{p['our_native_step_s']:.2f} s")
-        rows.append(["ours, EMULATED on one H200, bf16 exchange", n, link, tok, f_speedup(speedup(big, n, key, "bf16", chunks)),
+        rows.append([f"ours, EMULATED on one {card(d)}, bf16 exchange", n, link, tok, f_speedup(speedup(big, n, key, "bf16", chunks)),
                      f"`bench/results/{EMULATION_JSON}`"])
         rows.append(["ours, EMULATED, fp8 exchange", n, "the same", tok, f_speedup(speedup(big, n, key, "fp8", chunks)), "the same"])
         rows.append(["martonsagi/Comfy-H3-MultiStream", n, f"{n}x {peer['gpu_model']}, {peer['interconnect'].split(' (')[0].split(';')[0]}",
@@ -349,7 +360,7 @@ def t_peers(results):
     rows.append([f"ours, EMULATED, bf16 exchange, {f_int(small['tokens'])} tokens", ns, link_label(d, "nvlink"), "per step",
                  " / ".join(f_speedup(ours[n]) for n in bar_n), f"`bench/results/{EMULATION_JSON}`"])
     rows.append(["the bar the project set itself", ns, "NVLink", "per step", " / ".join(f"{BAR[n]:.1f}" for n in bar_n), "this project"])
-    out = [caption("Side by side with the peers: ours EMULATED on one H200 at links matched to the peers' boxes, theirs "
+    out = [caption(f"Side by side with the peers: ours EMULATED on one {card(d)} at links matched to the peers' boxes, theirs "
                    "as published on real GPUs (not re-run here).", [EMULATION_JSON, "bench/peers.json"], machine(d)), ""]
     out += table(["who", "N", "GPUs and link", "what is timed", "speed-up", "source"], rows, ["l", "r", "l", "l", "r", "l"])
     out += ["", f"Matched link: the peer's link bandwidth x (the peer's 1-GPU s/step / our native s/step at {f_int(big['tokens'])} "
@@ -388,7 +399,7 @@ def t_shared(results):
              fmt(call(r, 256, "gb_per_s_per_rank_each_way"), 1), fmt((r.get("startup_s") or {}).get("total"), 1)] for r in runs]
     tokens = next((r["parity"]["tokens"] for r in runs if (r.get("parity") or {}).get("tokens")), None)
     identical = [r["ranks"] for r in runs for e in ("bf16", "fp8") if ((r.get("parity") or {}).get(e) or {}).get("bit_identical")]
-    out = [caption("fp8 vs bf16 exchange, and the transport, for real on one H200: N ranks of a comfy.parallel group, every "
+    out = [caption(f"fp8 vs bf16 exchange, and the transport, for real on one {card(d)}: N ranks of a comfy.parallel group, every "
                    "one on cuda:0.", SHARED_JSON, machine(d),
                    f"Rel diff: sharded vs native output of real-width H3 (2 blocks, {f_int(tokens)} tokens, random bf16 weights), "
                    "max |a - b| / max |b|. The transport: seconds per all-to-all (the slowest rank) at 1 KB and 100 KB per "
@@ -402,28 +413,63 @@ def t_shared(results):
     return out
 
 
+def t_control(results):
+    d, runs = need(results, CONTROL_JSON, "runs")
+    out = []
+    for r in runs:
+        c = r.get("control") or {}
+        med, added, rel = c.get("median_s") or {}, c.get("tower_added_s") or {}, c.get("rel_diff_vs_native_tower") or {}
+        k = c.get("tower_blocks") or 0
+        rows = [["native (rank 0 alone)", f_s(med.get("native")), f_s(med.get("native_tower")), f_s(added.get("native")),
+                 f_s(added["native"] / k) if _num(added.get("native")) and k else "—", "—"],
+                [f"sharded, N = {r['ranks']}: the shipped `patched_blocks` (block sharded, patch on rank 0)", f_s(med.get("sharded")),
+                 f_s(med.get("sharded_tower")), f_s(added.get("sharded")),
+                 f_s(added["sharded"] / k) if _num(added.get("sharded")) and k else "—", f_sci(rel.get("sharded_tower"))],
+                [f"sharded, N = {r['ranks']}: the replaced design (block and patch on rank 0)", f_s(med.get("sharded")),
+                 f_s(med.get("sharded_tower_whole_block_on_rank0")), f_s(added.get("sharded_whole_block_on_rank0")),
+                 f_s(added["sharded_whole_block_on_rank0"] / k) if _num(added.get("sharded_whole_block_on_rank0")) and k else "—",
+                 f_sci(rel.get("sharded_tower_whole_block_on_rank0"))]]
+        out += [caption(f"A Fun ControlNet-Union tower under sharding, for real on one {card(d)}: the ranks of a comfy.parallel "
+                        "group share cuda:0.", CONTROL_JSON, machine(d),
+                        f"Real-width H3 ({c.get('model_blocks')} blocks, {f_int(c.get('tokens'))} tokens, random bf16 "
+                        f"weights) with a real-width tower of {k} blocks, one injected at every model block; seconds per "
+                        f"forward, median of {len(next(iter((c.get('seconds') or {'': []}).values())))}, interleaved. "
+                        "Rel diff: max |a - b| / max |b| against the native forward with the tower."), ""]
+        out += table(["run", "forward s, no tower", "forward s, tower", "patching adds s", "per patched block s", "rel diff"], rows,
+                     ["l", "r", "r", "r", "r", "r"])
+        out += ["", "While rank 0 runs the patch the other ranks wait, so the tower's added time is rank 0's own even on "
+                    "a shared GPU; the forwards without the tower are not a speed-up (the ranks share the GPU). In the "
+                    "replaced design the model's block also ran whole on rank 0 instead of sharded: on a shared GPU that "
+                    "costs about what the sharded block does, on separate GPUs it takes N shards' time (not run). The "
+                    f"tower changes the native output by {f_sci(c.get('rel_diff_tower_vs_no_tower_native'))} (rel): near 1, "
+                    "its hint (random weights) swamps the model's rows and the rel diff says little about the sharded "
+                    "block; the node's CPU test checks that workflow against the one without the node at 1e-5."]
+    return out
+
+
 def t_users(results):
     d, runs = need(results, USERS_JSON, "runs")
     rows, notes = [], []
     for name, r in runs.items():
         job = r.get("job") or {}
         first = (job.get("runs") or [{}])[0]
-        card = f"{r['emulated_card_gib']:g} GiB" if _num(r.get("emulated_card_gib")) else "uncapped"
+        cap = f"{r['emulated_card_gib']:g} GiB" if _num(r.get("emulated_card_gib")) else "uncapped"
         by_rank = [(r.get(k) or {}) for k in ("peak_gpu_mib_by_rank", "peak_rss_mib_by_rank")]
         gpu, rss = (" / ".join(f_int(v.get(k)) for k in sorted(v, key=int)) or "—" for v in by_rank)
         rel = max((x.get("rel_diff") for x in job.get("runs") or [] if _num(x.get("rel_diff"))), default=None)
         parity = "PASS" if job.get("parity") is True else "FAIL" if job.get("parity") is False else "—"
         rows.append([f"`{name}`" + (f" (`{' '.join(r['args'])}`)" if r.get("args") else ""),
-                     f"{r.get('weights')}, {fmt(r.get('checkpoint_gib'), 1)} GiB, {r.get('layers')} blocks", card, gpu, rss,
+                     f"{r.get('weights')}, {fmt(r.get('checkpoint_gib'), 1)} GiB, {r.get('layers')} blocks", cap, gpu, rss,
                      f_s(first.get("native_s")), f_s(first.get("sharded_s")), fmt((job.get("startup_s") or {}).get("total"), 1),
                      f_sci(rel), f_sci(job.get("native_run_to_run")), f"{parity} (exit {r.get('exit')})"])
         if job.get("parity") is False and not _num(job.get("native_run_to_run")):
             notes.append(f"`{name}` failed parity because that run measured no native run-to-run difference, so its "
                          f"{f_sci(rel)} was held to the {f_sci(job.get('tolerance'))} tolerance alone")
     job0 = next((r["job"] for r in runs.values() if r.get("job")), {})
-    out = [caption("The users' GPUs: real-size H3 on two ranks sharing one H200, each process capped to an EMULATED "
+    out = [caption(f"The users' GPUs: real-size H3 on two ranks sharing one {card(d)}, each process capped to an EMULATED "
                    "smaller card, through ComfyUI's own workflow (UNETLoader, the node, KSampler).", USERS_JSON,
-                   f"{job0.get('machine', {}).get('cpus', '?')} CPU cores, torch {job0.get('machine', {}).get('torch', '?')}"
+                   f"{d.get('gpu') or 'GPU not recorded'}, {job0.get('machine', {}).get('cpus', '?')} CPU cores, "
+                   f"torch {job0.get('machine', {}).get('torch', '?')}"
                    + (f" (run started {d['started']})" if d.get("started") else ""),
                    f"{f_int(job0.get('tokens'))} tokens, {job0.get('steps')} steps, {job0.get('compute_dtype')} compute, "
                    f"transport: {job0.get('transport')}. Both ranks share one GPU: sharded s is a correctness and memory "
@@ -587,13 +633,14 @@ SECTIONS = {  # name: (title in a skipped-table comment, function of the results
     "peers": ("side by side with the peers", t_peers),
     "exposed": ("exposed communication", t_exposed),
     "shared": ("fp8 vs bf16 exchange and the transport", t_shared),
+    "control": ("a Fun ControlNet tower under sharding", t_control),
     "users": ("the users' GPUs", t_users),
     "seam": ("patch 0001 on CUDA", t_seam),
     "inprocess": ("in-process threads vs processes", t_inprocess),
     "index": ("results index", t_index),
 }
 README_TABLES = ("scaling", "peers")
-APPENDIX_TABLES = ("scaling", "peers", "exposed", "shared", "users", "seam", "inprocess")
+APPENDIX_TABLES = ("scaling", "peers", "exposed", "shared", "control", "users", "seam", "inprocess")
 BENCH_TABLES = APPENDIX_TABLES + ("index",)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the borrowed GPU machine (bench/README.md, "Device runs"): unpack what travelled in .device/, then run
-# the sections named in $SECTIONS (default: env gpu_test shared emulation), each under its own time limit,
+# the sections named in $SECTIONS (default: env gpu_test shared emulation; also control, users), each under its own time limit,
 # writing JSON and logs into $OUT. Every section runs even when an earlier one fails.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -31,13 +31,16 @@ for s in ${SECTIONS:-env gpu_test shared emulation}; do
         tests-unit/comfy_extras_test/nodes_minimax_h3_parallel_gpu_test.py 2>&1 | tail -40 | tee "$out/gpu_test.log") ;;
     shared)
       section shared
-      (cd "$tree" && timeout ${SHARED_S:-240} python3 "$repo/bench/h3_h200_shared_gpu.py" --out "$out/h3_h200_shared_gpu.json" --ranks ${SHARED_RANKS:-2,4,8} --layers 2 2>&1 | tail -30) ;;
+      (cd "$tree" && timeout ${SHARED_S:-240} python3 "$repo/bench/h3_shared_gpu.py" --out "$out/h3_gpu_shared.json" --ranks ${SHARED_RANKS:-2,4,8} --layers 2 2>&1 | tail -30) ;;
+    control)
+      section control
+      (cd "$tree" && timeout ${CONTROL_S:-240} python3 "$repo/bench/h3_shared_gpu.py" --out "$out/h3_gpu_controlnet.json" --ranks 2 --layers 2 --control --skip-link 2>&1 | tail -10) ;;
     emulation)
       section emulation
-      (cd "$tree" && timeout "${EMULATION_S:-400}" python3 "$repo/bench/h3_sp_emulation.py" --out "$out/h3_h200_emulation.json" --latency-from "${LATENCY_FROM:-$out/h3_h200_shared_gpu.json}" 2>&1 | tail -100 > "$out/emulation.log"; tail -5 "$out/emulation.log") ;;
+      (cd "$tree" && timeout "${EMULATION_S:-400}" python3 "$repo/bench/h3_sp_emulation.py" --out "$out/h3_gpu_emulation.json" --latency-from "${LATENCY_FROM:-$out/h3_gpu_shared.json}" 2>&1 | tail -100 > "$out/emulation.log"; tail -5 "$out/emulation.log") ;;
     users)
       section users
-      (cd "$repo" && timeout "${USERS_S:-540}" python3 "$repo/bench/h3_h200_users_gpus.py" --tree "$tree" --dir /dev/shm --out "$out/h3_h200_users_gpus.json" ${USERS_CONFIGS:+--configs $USERS_CONFIGS} 2>&1 | tail -40) ;;
+      (cd "$repo" && timeout "${USERS_S:-540}" python3 "$repo/bench/h3_users_gpus.py" --tree "$tree" --dir /dev/shm --out "$out/h3_gpu_users.json" ${USERS_CONFIGS:+--configs $USERS_CONFIGS} 2>&1 | tail -40) ;;
   esac
 done
 echo "=== done ($(date -u +%T))"
