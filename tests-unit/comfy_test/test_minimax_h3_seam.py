@@ -3,7 +3,7 @@ import torch
 
 import minimax_h3_cases as cases
 from comfy.ldm.minimax.model import PackedLayout
-from comfy.ldm.minimax_h3.plan import ForwardPlan, balanced_ranges, clip_segment
+from comfy.ldm.minimax.plan import ForwardPlan, balanced_ranges, clip_segment
 
 
 class OneShard:

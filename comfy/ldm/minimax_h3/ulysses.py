@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .plan import balanced_ranges
+from comfy.ldm.minimax.plan import balanced_ranges
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
