@@ -104,4 +104,4 @@ def test_embed_and_pack_rows_are_slices_of_the_full_pack(name):
     for world in (2, 3, 5):
         for start, stop in balanced_ranges(layout.seq_len, world):
             rows = model._embed_and_pack(video, x[1], context, layout, payload, {}, rows=(start, stop))
-            torch.testing.assert_close(rows, full[start:stop], atol=1e-6, rtol=0.0)
+            assert torch.equal(rows, full[start:stop])
