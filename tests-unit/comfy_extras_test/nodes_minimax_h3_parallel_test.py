@@ -535,7 +535,9 @@ def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_th
         state["c"], hint = control.step(i, state["c"], args["t_emb"], args["mod_segments"], args["rope_freqs"], args["transformer_options"])
         if feeds_block:
             return extra["original_block"](dict(args, img=args["img"] + 0.7 * hint))
-        return {"img": extra["original_block"](args)["img"] + 0.7 * hint}
+        out = extra["original_block"](args)["img"]
+        state.setdefault("aliased", set()).add(out is args["img"])  # the block adds into its input, sharded or not
+        return {"img": out + 0.7 * hint}
 
     def with_control(m):
         m = m.clone()
@@ -561,6 +563,7 @@ def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_th
     # the model's blocks ran on rank 0's rows, sharded; a patch feeding its block other input gets it on the whole sequence
     whole = [r for r in rows if r in wholes]  # blocks run on a whole sequence (cond or uncond)
     assert len(whole) == (len(control.injection_layers) * 2 * 3 if feeds_block else 0)
+    assert state.get("aliased", {True}) == {True}
 
 
 CUSTOM_LOADER = """

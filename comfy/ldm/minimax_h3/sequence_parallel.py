@@ -291,7 +291,9 @@ def patched_blocks(sp, replace, blocks):
                 ready = [rows]
 
                 def original_block(a):
-                    return {"img": ready.pop()} if ready and a["img"] is img else extra["original_block"](a)
+                    if ready and a["img"] is img:  # into its input, as the block itself adds in place
+                        return {"img": img.copy_(ready.pop())}
+                    return extra["original_block"](a)
                 full = dict(args, img=img, rope_freqs=rope, mod_segments=whole.mod_segments, shard=whole, attention=None)
                 rows = patch(full, dict(extra, original_block=original_block))["img"]
             return {"img": sp.scatter_rows(shard, rows, mine)}
