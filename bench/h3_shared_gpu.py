@@ -100,6 +100,7 @@ def control(ctx, meta):
     from comfy.ldm.minimax.controlnet import MiniMaxH3FunControl
     from comfy.ldm.minimax_h3.sequence_parallel import patched_blocks
     from comfy.ldm.minimax_h3.ulysses import UlyssesParallel
+    from h3_real_checkpoint import random_value
     from h3_sp_emulation import init_random_
     model = build(meta["layers"], ctx.device)
     args, tokens = inputs(meta["case"], model, ctx.device)
@@ -108,7 +109,15 @@ def control(ctx, meta):
                                 num_attention_heads=b.attn.heads, attention_head_dim=b.attn.head_dim, ffn_hidden_size=b.mlp.fc2.in_features,
                                 time_embed_dim=b.adaln_proj.linear.in_features, dtype=b.attn.qkv_proj.weight.dtype, device=ctx.device,
                                 operations=comfy.ops.disable_weight_init).requires_grad_(False)
-    init_random_(tower, seed=1)
+    if meta.get("scaled"):  # h3_real_checkpoint.py's weights: the tower's hint does not swamp the model's rows
+        gen = torch.Generator(ctx.device).manual_seed(1)
+        for net in (model, tower):
+            for name, t in net.state_dict().items():
+                if not name.endswith("rope.inv_freq"):
+                    t.copy_(random_value(name, t.shape, gen, ctx.device))
+    else:  # std 0.02 (the run in bench/results/h3_gpu_controlnet.json)
+        init_random_(tower, seed=1)
+    strength = 0.1 if meta.get("scaled") else 0.5
     video = args[0][0]
     latent = torch.randn((1, tower.control_in_dim, *video.shape[2:]), generator=torch.Generator(ctx.device).manual_seed(2), device=ctx.device)
     state = {}
@@ -118,7 +127,7 @@ def control(ctx, meta):
         if i == 0:
             state["c"] = tower.init_stream(a["img"], latent, a["layout"], a["t_emb"])
         state["c"], hint = tower.step(i, state["c"], a["t_emb"], a["mod_segments"], a["rope_freqs"], a["transformer_options"])
-        return {"img": extra["original_block"](a)["img"] + 0.5 * hint}
+        return {"img": extra["original_block"](a)["img"] + strength * hint}
     replace = {"dit": {("double_block", i): patch for i in tower.injection_layers}}
     sp = UlyssesParallel(ctx.rank, ctx.world_size, model.blocks[0].attn.heads, ctx.transport, chunks=meta["chunks"])
     runs = {"sharded": {"minimax_h3_sequence_parallel": sp},
@@ -163,6 +172,7 @@ def main():
     ap.add_argument("--case", default="38k")
     ap.add_argument("--control", action="store_true", help="also time a Fun ControlNet tower (one tower block per model block)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scaled", action="store_true", help="--control with scaled weights and hint 0.1 (see control())")
     ap.add_argument("--skip-link", action="store_true", help="only the parity (and --control) runs")
     ap.add_argument("--device", default="cuda:0", help="every rank's device (cpu with H3SP_BENCH_TINY=1 --case tiny: a smoke run)")
     a = ap.parse_args()
@@ -182,7 +192,8 @@ def main():
             print(json.dumps({"ranks": n, **parity_out}), flush=True)
             run = {"ranks": n, "link": links, "parity": parity_out, "startup_s": group.startup_seconds}
             if a.control:
-                run["control"] = group.run(OP_CONTROL, {"layers": a.layers, "case": a.case, "chunks": 2, "repeats": a.repeats},
+                run["control"] = group.run(OP_CONTROL, {"layers": a.layers, "case": a.case, "chunks": 2, "repeats": a.repeats,
+                                                        "scaled": a.scaled},
                                            timeout=1200).values[0]
                 print(json.dumps({"ranks": n, "control": run["control"]["median_s"]}), flush=True)
             result["runs"].append(run)
