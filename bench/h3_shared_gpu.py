@@ -51,7 +51,7 @@ def parity(ctx, meta):
         sharded = model._forward(*args, {"minimax_h3_sequence_parallel": sp})
         sync(ctx.device)
         if ctx.rank == 0:
-            out[exchange] = {"rel_diff": max(float((s.float() - n.float()).abs().max() / n.float().abs().max()) for s, n in zip(sharded, native)),
+            out[exchange] = {"rel_diff": rel_diff(sharded, native),
                              "bit_identical": all(torch.equal(s, n) for s, n in zip(sharded, native)),
                              "forward_s_shared_gpu": time.perf_counter() - t0}
     return out if ctx.rank == 0 else {}
@@ -149,14 +149,17 @@ def control(ctx, meta):
     if ctx.rank:
         return {}
     med = {k: statistics.median(v) for k, v in seconds.items()}
-    rel = {k: max(float((s.float() - n.float()).abs().max() / n.float().abs().max()) for s, n in zip(outs[k], outs["native_tower"]))
-           for k in ("sharded_tower", "sharded_tower_whole_block_on_rank0")}
+    rel = {k: rel_diff(outs[k], outs["native_tower"]) for k in ("sharded_tower", "sharded_tower_whole_block_on_rank0")}
     return {"tokens": tokens, "tower_blocks": len(tower.injection_layers), "model_blocks": meta["layers"], "seconds": seconds,
             "median_s": med, "tower_added_s": {"native": med["native_tower"] - med["native"],
                                                "sharded": med["sharded_tower"] - med["sharded"],
                                                "sharded_whole_block_on_rank0": med["sharded_tower_whole_block_on_rank0"] - med["sharded"]},
-            "rel_diff_vs_native_tower": rel, "rel_diff_tower_vs_no_tower_native":
-            max(float((s.float() - n.float()).abs().max() / n.float().abs().max()) for s, n in zip(outs["native_tower"], outs["native"]))}
+            "rel_diff_vs_native_tower": rel, "rel_diff_tower_vs_no_tower_native": rel_diff(outs["native_tower"], outs["native"])}
+
+
+def rel_diff(outs, refs):
+    """max |a - b| / max |b| over the (video, audio) outputs."""
+    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(outs, refs))
 
 
 def sync(device):

@@ -420,15 +420,16 @@ def t_control(results):
         c = r.get("control") or {}
         med, added, rel = c.get("median_s") or {}, c.get("tower_added_s") or {}, c.get("rel_diff_vs_native_tower") or {}
         k = c.get("tower_blocks") or 0
-        rows = [["native (rank 0 alone)", f_s(med.get("native")), f_s(med.get("native_tower")), f_s(added.get("native")),
-                 f_s(added["native"] / k) if _num(added.get("native")) and k else "—", "—"],
-                [f"sharded, N = {r['ranks']}: the shipped `patched_blocks` (block sharded, patch on rank 0)", f_s(med.get("sharded")),
-                 f_s(med.get("sharded_tower")), f_s(added.get("sharded")),
-                 f_s(added["sharded"] / k) if _num(added.get("sharded")) and k else "—", f_sci(rel.get("sharded_tower"))],
-                [f"sharded, N = {r['ranks']}: the replaced design (block and patch on rank 0)", f_s(med.get("sharded")),
-                 f_s(med.get("sharded_tower_whole_block_on_rank0")), f_s(added.get("sharded_whole_block_on_rank0")),
-                 f_s(added["sharded_whole_block_on_rank0"] / k) if _num(added.get("sharded_whole_block_on_rank0")) and k else "—",
-                 f_sci(rel.get("sharded_tower_whole_block_on_rank0"))]]
+        rows = []
+        # (label, run without the tower, run with it, key of tower_added_s)
+        for label, plain, tower, key in (("native (rank 0 alone)", "native", "native_tower", "native"),
+                                         (f"sharded, N = {r['ranks']}: the shipped `patched_blocks` (block sharded, patch on "
+                                          "rank 0)", "sharded", "sharded_tower", "sharded"),
+                                         (f"sharded, N = {r['ranks']}: the replaced design (block and patch on rank 0)",
+                                          "sharded", "sharded_tower_whole_block_on_rank0", "sharded_whole_block_on_rank0")):
+            a = added.get(key)
+            rows.append([label, f_s(med.get(plain)), f_s(med.get(tower)), f_s(a), f_s(a / k) if _num(a) and k else "—",
+                         f_sci(rel[tower]) if tower in rel else "—"])
         out += [caption(f"A Fun ControlNet-Union tower under sharding, for real on one {card(d)}: the ranks of a comfy.parallel "
                         "group share cuda:0.", CONTROL_JSON, machine(d),
                         f"Real-width H3 ({c.get('model_blocks')} blocks, {f_int(c.get('tokens'))} tokens, random bf16 "

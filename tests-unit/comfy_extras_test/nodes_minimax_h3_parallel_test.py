@@ -557,7 +557,8 @@ def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_th
         sharded = w.sample(with_control(node))
         assert sp.steps_run == 2 * 3
     finally:
-        [h.remove() for h in hooks]
+        for h in hooks:
+            h.remove()
         sp.close()
     assert _rel(sharded, native) <= TOL and _rel(native, plain) > 1e-3
     # the model's blocks ran on rank 0's rows, sharded; a patch feeding its block other input gets it on the whole sequence
