@@ -44,9 +44,26 @@ def setup_comfyui(tree, a):
     args.cpu = a.device == "cpu"
     args.reserve_vram = a.reserve_vram
     args.disable_dynamic_vram = a.disable_dynamic_vram
-    import comfy.dynamic_vram
-    comfy.dynamic_vram.init_allocator()
-    comfy.dynamic_vram.enable(get_console_log_level(args.verbose))
+    start_dynamic_vram(args, get_console_log_level(args.verbose))
+
+
+def start_dynamic_vram(args, level):
+    """DynamicVRAM as ComfyUI's main.py starts it (this script runs ComfyUI without main.py)."""
+    from comfy.cli_args import enables_dynamic_vram
+    if not enables_dynamic_vram():
+        return
+    import comfy_aimdo.control
+    headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024 ** 3)
+    comfy_aimdo.control.init(simple_vram_headroom=headroom, nvml_pressure=not args.disable_nvml_pressure)
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    if not (mm.is_nvidia() or (mm.is_amd() and mm.rocm_version >= (7, 14))) or mm.torch_version_numeric < (2, 8):
+        return
+    if comfy_aimdo.control.init_devices((d.index, int(args.vram_headroom * 1024 ** 3)) for d in mm.get_all_torch_devices()):
+        getattr(comfy_aimdo.control, f"set_log_{level.lower()}", comfy_aimdo.control.set_log_info)()
+        comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+        comfy.memory_management.aimdo_enabled = True
 
 
 def check_gpus(ranks):

@@ -20,7 +20,6 @@ import traceback
 import torch
 
 import comfy.cli_args
-import comfy.dynamic_vram
 
 from . import channel, ops
 from .errors import PreflightMismatch
@@ -113,9 +112,9 @@ def _beat(transport):
 
 
 def _start_comfyui(start, cpu):
-    """Before any ComfyUI model code is imported: rank 0's args, then ComfyUI's own start-up of the device
-    and DynamicVRAM (main.py runs the same), so that attention, dtypes and memory follow those args;
-    DynamicVRAM only where rank 0 runs it, so that every rank has the same kind of ModelPatcher."""
+    """Before any ComfyUI model code is imported: rank 0's args, then DynamicVRAM as main.py starts it, on this
+    worker's device only (cuda:0 here; the group's other GPUs are visible for the device path's peer copies),
+    and only where rank 0 runs it, so that every rank has the same kind of ModelPatcher."""
     def decode(d):
         if set(d) == {"enum", "value"}:
             return getattr(comfy.cli_args, d["enum"])(d["value"])
@@ -126,8 +125,16 @@ def _start_comfyui(start, cpu):
         args.cpu = True  # this worker's device; rank 0 may run on a GPU
     if not start["dynamic_vram"]:
         args.enable_dynamic_vram, args.disable_dynamic_vram = False, True
-    comfy.dynamic_vram.init_allocator()
-    comfy.dynamic_vram.enable(comfy.cli_args.get_console_log_level(args.verbose))
+        return
+    import comfy_aimdo.control
+    headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024 ** 3)
+    comfy_aimdo.control.init(simple_vram_headroom=headroom, nvml_pressure=not args.disable_nvml_pressure)
+    # model_management reads the device at import, which must follow comfy_aimdo.control.init()
+    from comfy import memory_management, model_patcher
+    if not comfy_aimdo.control.init_devices([(0, int(args.vram_headroom * 1024 ** 3))]):
+        raise RuntimeError("rank 0 runs DynamicVRAM but comfy-aimdo did not start on this worker's device")
+    model_patcher.CoreModelPatcher = model_patcher.ModelPatcherDynamic
+    memory_management.aimdo_enabled = True
 
 
 def _frames(reader):
