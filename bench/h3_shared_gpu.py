@@ -13,6 +13,7 @@ ranks wait, so that cost is rank 0's alone even on a shared GPU.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -52,6 +53,7 @@ def parity(ctx, meta):
         sync(ctx.device)
         if ctx.rank == 0:
             out[exchange] = {"rel_diff": rel_diff(sharded, native),
+                             "sha256": hashlib.sha256(b"".join(t.float().cpu().numpy().tobytes() for t in sharded)).hexdigest(),
                              "bit_identical": all(torch.equal(s, n) for s, n in zip(sharded, native)),
                              "forward_s_shared_gpu": time.perf_counter() - t0}
     return out if ctx.rank == 0 else {}
@@ -73,7 +75,8 @@ def link(ctx, meta):
         ctx.transport.all_to_all(sends, recvs, sizes).wait()
     sync(ctx.device)
     seconds = (time.perf_counter() - t0) / meta["repeats"]
-    return {"s": seconds, "rounds": -(-size // ctx.transport.lane)}
+    lane = ctx.transport.lane if ctx.transport.device_path is None else ctx.transport.device_path.lane
+    return {"s": seconds, "rounds": -(-size // lane)}
 
 
 def whole_block_on_rank0(sp, replace, blocks):
@@ -157,6 +160,17 @@ def control(ctx, meta):
             "rel_diff_vs_native_tower": rel, "rel_diff_tower_vs_no_tower_native": rel_diff(outs["native_tower"], outs["native"])}
 
 
+def thread_only(on):
+    """The threaded host path (the transport before the stream path) for a baseline: no stream path set up."""
+    from comfy.parallel import stream_path
+    real = getattr(stream_path, "_real_attach", stream_path.attach)
+    stream_path._real_attach = real
+    stream_path.attach = (lambda host, device_path=True: None) if on else real
+
+
+thread_only(os.environ.get("H3SP_BENCH_THREAD") == "1")  # a worker of a "thread" run
+
+
 def rel_diff(outs, refs):
     """max |a - b| / max |b| over the (video, audio) outputs."""
     return max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(outs, refs))
@@ -177,23 +191,30 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scaled", action="store_true", help="--control with scaled weights and hint 0.1 (see control())")
     ap.add_argument("--skip-link", action="store_true", help="only the parity (and --control) runs")
+    ap.add_argument("--skip-parity", action="store_true", help="only the link runs")
+    ap.add_argument("--paths", default="device,host,thread",
+                    help="the data paths to run: device, host (comfy.parallel's stream path), thread (its threaded host path)")
     ap.add_argument("--device", default="cuda:0", help="every rank's device (cpu with H3SP_BENCH_TINY=1 --case tiny: a smoke run)")
     a = ap.parse_args()
     result = {"what": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name() if a.device != "cpu" else "cpu", "torch": torch.__version__,
               "machine": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
-    for n in map(int, a.ranks.split(",")):
-        with ParallelGroup(f"bench-{n}") as group:
-            group.start([a.device] * n, ["h3_shared_gpu"])
+    for n, path in ((n, p) for n in map(int, a.ranks.split(",")) for p in a.paths.split(",")):
+        thread_only(path == "thread")
+        with ParallelGroup(f"bench-{n}", device_path=path == "device") as group:
+            group.start([a.device] * n, ["h3_shared_gpu"], env={"H3SP_BENCH_THREAD": "1" if path == "thread" else ""})
+            if group.data_path != path:
+                print(json.dumps({"ranks": n, "asked": path, "data_path": group.data_path}), flush=True)
             links = []
-            for mb in () if a.skip_link else (0.001, 0.1, 4, 64, 256):
-                r = group.run(OP_LINK, {"mb": mb, "repeats": 20 if mb < 64 else 5}).values
+            for mb in () if a.skip_link else (0.001, 0.1, 1, 4, 64, 256):
+                r = group.run(OP_LINK, {"mb": mb, "repeats": 200 if mb < 1 else 20 if mb < 64 else 5}).values
                 s = max(v["s"] for v in r)
                 links.append({"mb_per_pair": mb, "s_per_call": s, "rounds": r[0]["rounds"],
                               "gb_per_s_per_rank_each_way": mb * (n - 1) / 1e3 / s})
-                print(json.dumps({"ranks": n, **links[-1]}), flush=True)
-            parity_out = group.run(OP_PARITY, {"layers": a.layers, "case": a.case, "chunks": 2}, timeout=1200).values[0]
-            print(json.dumps({"ranks": n, **parity_out}), flush=True)
-            run = {"ranks": n, "link": links, "parity": parity_out, "startup_s": group.startup_seconds}
+                print(json.dumps({"ranks": n, "data_path": group.data_path, **links[-1]}), flush=True)
+            parity_out = None if a.skip_parity else group.run(OP_PARITY, {"layers": a.layers, "case": a.case, "chunks": 2},
+                                                              timeout=1200).values[0]
+            print(json.dumps({"ranks": n, "data_path": group.data_path, **(parity_out or {})}), flush=True)
+            run = {"ranks": n, "data_path": group.data_path, "link": links, "parity": parity_out, "startup_s": group.startup_seconds}
             if a.control:
                 run["control"] = group.run(OP_CONTROL, {"layers": a.layers, "case": a.case, "chunks": 2, "repeats": a.repeats,
                                                         "scaled": a.scaled},

@@ -29,9 +29,12 @@ for s in ${SECTIONS:-env gpu_test shared emulation}; do
       section gpu_test
       (cd "$tree" && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests-unit/comfy_extras_test/nodes_minimax_h3_parallel_gpu_test.py 2>&1 | tail -40 | tee "$out/gpu_test.log") ;;
+    stream_path)
+      section stream_path
+      (cd "$tree" && timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests-unit/parallel_test/parallel_stream_path_test.py 2>&1 | tail -40 | tee "$out/stream_path_test.log") ;;
     shared)
       section shared
-      (cd "$tree" && timeout ${SHARED_S:-240} python3 "$repo/bench/h3_shared_gpu.py" --out "$out/h3_gpu_shared.json" --ranks ${SHARED_RANKS:-2,4,8} --layers 2 2>&1 | tail -30) ;;
+      (cd "$tree" && timeout ${SHARED_S:-240} python3 "$repo/bench/h3_shared_gpu.py" --out "$out/h3_gpu_shared.json" --ranks ${SHARED_RANKS:-2,4,8} --layers 2 ${SHARED_ARGS:-} 2>&1 | tail -30) ;;
     control)
       section control
       (cd "$tree" && timeout ${CONTROL_S:-240} python3 "$repo/bench/h3_shared_gpu.py" --out "$out/h3_gpu_controlnet.json" --ranks 2 --layers 2 --control --skip-link ${CONTROL_ARGS:-} 2>&1 | tail -10) ;;

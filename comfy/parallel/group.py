@@ -40,7 +40,7 @@ POLL = 0.1
 LOG_TAIL = 200
 SLOT_BYTES = 64 << 20
 # modules whose code every rank must share, besides the ones an op names
-OWN_MODULES = tuple(f"comfy.parallel.{m}" for m in ("channel", "group", "ops", "transport", "worker"))
+OWN_MODULES = tuple(f"comfy.parallel.{m}" for m in ("channel", "group", "ops", "stream_path", "transport", "worker"))
 
 
 @dataclass(frozen=True)
@@ -126,10 +126,14 @@ class _Op:
 
 class ParallelGroup:
     """A group of ranks for one job. ``slot_bytes``: the size of each of a rank's two transport slots
-    (pinned host memory on CUDA; a collective larger than a slot takes several rounds)."""
+    (pinned host memory on CUDA; a collective larger than a slot takes several rounds). ``device_path``:
+    on CUDA, copy GPU to GPU where every pair passes a test at start. ``data_path`` says what moves the
+    data: "device", "host" (pinned host memory, ordered on the GPUs' streams) or "host, a thread per rank"
+    (CPU ranks, or GPUs without stream memory operations)."""
 
-    def __init__(self, name="parallel", timeouts=None, slot_bytes=SLOT_BYTES):
+    def __init__(self, name="parallel", timeouts=None, slot_bytes=SLOT_BYTES, device_path=True):
         self.name, self.timeouts, self.slot_bytes = name, timeouts or Timeouts(), slot_bytes
+        self.device_path, self.data_path = device_path, None
         self._cond = threading.Condition(threading.RLock())  # guards state, error, _op; wakes waiters
         self._quiet = threading.Event()  # set while no start() or run() is in flight
         self._quiet.set()
@@ -190,7 +194,7 @@ class ParallelGroup:
         self._monitor = threading.Thread(target=self._watch, args=(self._stop,), name=f"parallel-{self.name}", daemon=True)
         self._monitor.start()
         for r in range(1, self.world_size):
-            w = _Worker(r, self._devices[r], _worker_env(self._devices[r], env), self._transport.fds())
+            w = _Worker(r, self._devices[r], _worker_env(self._devices[r], self._devices, env), self._transport.fds())
             with self._cond:
                 self._workers.append(w)
             w.send("hello", dict(hello, rank=r), 10.0)
@@ -207,9 +211,10 @@ class ParallelGroup:
                                   state={} if local_state is None else local_state)
         with self._cond:
             self.state = "ready"
-        self.run("parallel.probe", timeout=60.0)
+        self.data_path = self.run("parallel.probe", {"device_path": self.device_path}, timeout=60.0).values[0]["data_path"]
         self.startup_seconds = {"spawn_to_ready": t1 - t0, "probe": time.monotonic() - t1, "total": time.monotonic() - t0}
-        logger.info("parallel group %r ready: %d ranks in %.2fs", self.name, self.world_size, self.startup_seconds["total"])
+        logger.info("parallel group %r ready: %d ranks in %.2fs, data through the %s path", self.name, self.world_size,
+                    self.startup_seconds["total"], self.data_path)
 
     def _wait(self, done, deadline, late):
         """Until ``done()`` (under the lock); a fault raises it; past ``deadline`` ``late()`` breaks the group."""
@@ -394,6 +399,9 @@ class ParallelGroup:
 
     def _check_workers(self):
         now = time.monotonic()
+        op = self._op
+        if op is not None and (now > op.deadline or self._transport.aborted()):
+            self._transport.abort(op.id)  # a GPU waiting in a collective of a late or aborted op goes on
         heartbeats = self._transport.heartbeats()
         for w in list(self._workers):
             if w.exited or self.error is not None:
@@ -510,9 +518,14 @@ def _comfyui_start():
     return {"args": json.dumps(vars(comfy.cli_args.args), default=encode), "dynamic_vram": memory_management.aimdo_enabled}
 
 
-def _worker_env(device, extra):
+def _worker_env(device, devices, extra):
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-    # cuda:<i> is the i-th device this process sees, itself perhaps a subset
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()] or None
-    env["CUDA_VISIBLE_DEVICES"] = "" if device.type == "cpu" else visible[device.index] if visible else str(device.index)
+    if device.type == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        # cuda:<i> is the i-th device this process sees, itself perhaps a subset. The worker's own GPU is its
+        # cuda:0; the group's other GPUs follow it, for the device path's peer copies
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()] or None
+        order = list(dict.fromkeys([device.index] + [d.index for d in devices]))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in order)
     return env | (extra or {})

@@ -93,9 +93,13 @@ def code_fingerprints(module_names):
 
 @register_op("parallel.probe")
 def probe(ctx, meta):
-    """A known answer from every rank over the transport."""
+    """A known answer from every rank over the transport; then, on CUDA, the stream path's set-up."""
     got = [r.rstrip(b"\0") for r in ctx.transport.all_gather_bytes(f"rank {ctx.rank}".encode())]
     want = [f"rank {r}".encode() for r in range(ctx.world_size)]
     if got != want:
         raise RuntimeError(f"the transport's start-up probe returned {got}, expected {want}")
-    return {}
+    path = None
+    if ctx.device.type == "cuda":
+        from . import stream_path
+        path = ctx.transport.stream_path = stream_path.attach(ctx.transport, meta.get("device_path", True))
+    return {"data_path": "host, a thread per rank" if path is None else path.mode}

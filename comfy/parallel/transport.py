@@ -18,7 +18,8 @@ import time
 
 import torch
 
-HEADER = 4096
+HEADER = 4096  # the words below, then a page of 32-bit flags written and waited on by the GPUs (stream_path)
+FLAG_PAGE = 4096
 ABORT = 0  # the highest aborted op id; any rank may write it
 RANK_WORDS = 8  # a cache line per rank: heartbeat, posted, consumed
 HEARTBEAT, POSTED, CONSUMED = 0, 1, 2
@@ -65,7 +66,7 @@ class HostTransport:
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
         self.lane = self.slot_bytes // world_size // ALIGN * ALIGN
-        size = HEADER + 2 * world_size * self.slot_bytes
+        size = HEADER + FLAG_PAGE + 2 * world_size * self.slot_bytes
         if fd is None:
             fd = os.memfd_create("comfy-parallel", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
@@ -73,8 +74,9 @@ class HostTransport:
         self.fd, self.bells = fd, bells
         self._map = mmap.mmap(fd, size)
         self._words = memoryview(self._map)[:HEADER].cast("q")
-        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER)
-        self.op_id, self.deadline, self.seq, self._streams = 0, float("inf"), 0, None
+        self.flags = torch.frombuffer(self._map, dtype=torch.int32, offset=HEADER, count=FLAG_PAGE // 4)
+        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER + FLAG_PAGE)
+        self.op_id, self.deadline, self.seq, self._streams, self.stream_path, self._aborts_seen = 0, float("inf"), 0, None, None, 0
         self._queue, self._poll, self._idle = queue.SimpleQueue(), select.poll(), threading.Event()
         self._poll.register(self.bells[rank], select.POLLIN)
         self._idle.set()
@@ -101,10 +103,15 @@ class HostTransport:
         return [self._words[self._word(r, HEARTBEAT)] for r in range(self.world_size)]
 
     def abort(self, op_id):
-        """Make every rank leave op ``op_id`` (a no-op for an op already left)."""
+        """Make every rank leave op ``op_id`` (a no-op for an op already left); no GPU waits for a flag any more."""
         if self._words[ABORT] < op_id:
             self._words[ABORT] = op_id
         self._ring(range(self.world_size))
+        if self.stream_path is not None:
+            self.stream_path.release()
+
+    def slot_address(self, rank, parity):
+        return self._data.data_ptr() + (rank * 2 + parity) * self.slot_bytes
 
     def aborted(self):
         return self._words[ABORT] >= self.op_id
@@ -114,9 +121,21 @@ class HostTransport:
             with contextlib.suppress(BlockingIOError):  # the counter is full: the bell already rings
                 os.eventfd_write(self.bells[r], 1)
 
-    def _publish(self, which, value):
+    def publish(self, which, value):
         self._words[self._word(self.rank, which)] = value
         self._ring(r for r in range(self.world_size) if r != self.rank)
+
+    def wait_words(self, which, want, spin=2e-4):
+        """Until every peer's word ``which`` is at least ``want`` (spinning ``spin`` s first, then on the bell)."""
+        ready = self._peers_reached(which, want)
+        end = time.perf_counter() + spin
+        while not ready():
+            if time.perf_counter() > end:
+                self._wait(ready)
+                return
+
+    def nonce(self):
+        return os.urandom(8)
 
     def _wait(self, ready):
         while not ready():
@@ -131,6 +150,13 @@ class HostTransport:
 
     def begin_op(self, op_id, deadline):
         self.op_id, self.deadline, self.seq = op_id, deadline, 0
+        if self.stream_path is not None and self._words[ABORT] != self._aborts_seen:
+            # an op was aborted since the last one: every rank's stream drained, then every flag zero
+            self._aborts_seen = self._words[ABORT]
+            self.stream_path.drain()
+            self.all_gather_bytes(b"", 1)
+            self.stream_path.reset()
+            self.all_gather_bytes(b"", 1)
 
     def end_op(self):
         """Once the op's collectives are done or failed (call on the op's thread when it leaves the op)."""
@@ -138,7 +164,12 @@ class HostTransport:
 
     def all_to_all(self, sends, recvs, sizes):
         """``sends[j]`` -> rank j's ``recvs[rank]``. ``sizes[i][j]``: bytes from rank i to rank j, the same
-        matrix on every rank; tensors contiguous (None where the size is 0). -> Work."""
+        matrix on every rank; tensors contiguous (None where the size is 0). -> Work. CUDA tensors go by the
+        ``stream_path`` where the group set one up at start (device to device, or through host memory with no
+        thread); its wait() is then the caller's stream waiting on the GPU."""
+        if self.stream_path is not None and any(t is not None and t.is_cuda for t in (*sends, *recvs)):
+            return self.stream_path.all_to_all([None if t is None else t.reshape(-1).view(torch.uint8) for t in sends],
+                                               [None if t is None else t.reshape(-1).view(torch.uint8) for t in recvs], sizes)
         n, rounds = self.world_size, collections.defaultdict(list)
         for i in range(n):
             for j in range(n):
@@ -149,6 +180,14 @@ class HostTransport:
 
     def broadcast(self, tensors):
         """Rank 0's ``tensors`` into every other rank's (same shapes and dtypes, contiguous); blocks."""
+        if self.stream_path is not None and tensors and tensors[0].is_cuda:
+            n = self.world_size
+            for t in tensors:
+                size, flat = t.numel() * t.element_size(), t.reshape(-1).view(torch.uint8)
+                sizes = [[size if i == 0 and j else 0 for j in range(n)] for i in range(n)]
+                self.stream_path.all_to_all([flat] * n if self.rank == 0 else [None] * n,
+                                            [None] * n if self.rank == 0 else [flat] + [None] * (n - 1), sizes).wait()
+            return
         rounds, peers = collections.defaultdict(list), tuple(range(1, self.world_size))
         for k, off, i, a, b in _chunks([t.numel() * t.element_size() for t in tensors], self.slot_bytes):
             rounds[k].append((0, peers, off, i, i, a, b))
@@ -206,19 +245,18 @@ class HostTransport:
         for k in range(len(work.rounds)):
             seq = self.seq + k
             self._sync((0,))
-            self._publish(POSTED, self._stamp(seq))
+            self.publish(POSTED, self.stamp(seq))
             if k + 1 < len(work.rounds):
                 self._fill(work, k + 1)
             self._drain(work, k)
-            self._publish(CONSUMED, self._stamp(seq))
+            self.publish(CONSUMED, self.stamp(seq))
         self._sync((1,))
         self.seq += len(work.rounds)
 
-    def _stamp(self, seq):
+    def stamp(self, seq):
         return (self.op_id << 32) + seq + 1
 
-    def _peers_reached(self, which, seq):
-        want = self._stamp(seq)
+    def _peers_reached(self, which, want):
         return lambda: all(self._words[self._word(r, which)] >= want for r in range(self.world_size) if r != self.rank)
 
     def _slot(self, rank, seq):
@@ -229,7 +267,7 @@ class HostTransport:
         """Copy this rank's sends of round k into its slot (the slot's last readers done first)."""
         seq = self.seq + k
         if seq >= 2:
-            self._wait(self._peers_reached(CONSUMED, seq - 2))
+            self._wait(self._peers_reached(CONSUMED, self.stamp(seq - 2)))
         slot = self._slot(self.rank, seq)
         with self._on(0, work.event):
             for src, _, off, i, _, a, b in work.rounds[k]:
@@ -239,7 +277,7 @@ class HostTransport:
     def _drain(self, work, k):
         """Wait for round k from every peer, copy what this rank receives out of their slots."""
         seq = self.seq + k
-        self._wait(self._peers_reached(POSTED, seq))
+        self._wait(self._peers_reached(POSTED, self.stamp(seq)))
         with self._on(1, work.event):
             for src, dsts, off, _, i, a, b in work.rounds[k]:
                 if self.rank in dsts:
@@ -260,6 +298,9 @@ class HostTransport:
     def close(self):
         self._queue.put(None)
         self._thread.join()
+        if self.stream_path is not None:
+            self.stream_path.close()
+            self.stream_path = None
         if self._streams is not None:
             torch.cuda.cudart().cudaHostUnregister(self._data.data_ptr())
             self._streams = None

@@ -25,8 +25,8 @@ def echo(ctx, meta):
 def exchange(ctx, meta):
     """all_to_all of known values in ``meta['sizes']`` (bytes, rank i -> rank j), then a broadcast; -> True where right."""
     n, r, sizes = ctx.world_size, ctx.rank, meta["sizes"]
-    sends = [torch.full((sizes[r][j] // 4,), 100.0 * r + j) for j in range(n)]
-    recvs = [torch.empty(sizes[i][r] // 4) for i in range(n)]
+    sends = [torch.full((sizes[r][j] // 4,), 100.0 * r + j, device=ctx.device) for j in range(n)]
+    recvs = [torch.empty(sizes[i][r] // 4, device=ctx.device) for i in range(n)]
     ctx.transport.all_to_all(sends, recvs, sizes).wait()
     shared = [torch.arange(meta["broadcast"], dtype=torch.int32) if r == 0 else torch.empty(meta["broadcast"], dtype=torch.int32)]
     ctx.transport.broadcast(shared)
@@ -81,3 +81,15 @@ def silent(ctx, meta):
 def value(ctx, meta):
     """Rank 0 returns a tensor; a worker returns a list, or with ``meta['bad']`` a set, which is not JSON."""
     return torch.arange(3) if ctx.rank == 0 else ({1, 2} if meta["bad"] else [1, 2])
+
+
+@register_op("test.stream")
+def stream(ctx, meta):
+    """All-to-alls of ``meta['mb']`` MB per pair for ``meta['seconds']`` (a peer may be killed meanwhile)."""
+    n, size = ctx.world_size, int(meta["mb"] * 1e6) // 4 * 4
+    sends = [torch.ones(size // 4, device=ctx.device) for _ in range(n)]
+    recvs = [torch.empty(size // 4, device=ctx.device) for _ in range(n)]
+    end = time.monotonic() + meta["seconds"]
+    while time.monotonic() < end:
+        ctx.transport.all_to_all(sends, recvs, [[size] * n for _ in range(n)]).wait()
+    return {}

@@ -1,0 +1,93 @@
+"""The stream path of comfy.parallel: the device path's verdict from a handshake (CPU), and on a CUDA
+machine N ranks sharing cuda:0 (same-device IPC for the device path): exact bytes through either mode,
+the fallback on a failed write-and-verify test, a rank killed mid-copy, a cancel, and no device memory
+left after close()."""
+
+import os
+import threading
+
+import pytest
+import torch
+from parallel_helpers import IMPORTS, wait_until
+
+from comfy.parallel import ParallelCancelled, ParallelGroup, ParallelGroupError, stream_path
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CAP = stream_path.HANDLE
+
+
+def record(major, minor):
+    rec = bytearray(stream_path.RECORD)
+    rec[CAP:CAP + 2] = bytes((major, minor))
+    return bytes(rec)
+
+
+def test_the_verdict_needs_every_pair_intact_and_one_architecture():
+    same = [record(9, 0)] * 3
+    assert stream_path.verdict(same, [[True] * 3] * 3) == (True, "")
+    ok, reason = stream_path.verdict(same, [[True, True, True], [True, True, True], [True, False, True]])
+    assert not ok and reason.endswith("from rank -> to rank 1->2")
+    ok, reason = stream_path.verdict([record(9, 0), record(8, 9)], [[True] * 2] * 2)
+    assert not ok and "compute capability" in reason and "(8, 9)" in reason
+
+
+def test_a_cpu_group_uses_the_host_path():
+    with ParallelGroup("cpu-path") as g:
+        g.start(["cpu"] * 2, IMPORTS)
+        assert g.data_path == "host, a thread per rank"
+        assert g.run("test.exchange", {"sizes": [[8, 4000], [12, 4]], "broadcast": 10}).values == [True, True]
+
+
+@cuda
+@pytest.mark.parametrize("ranks,path", [(2, "device"), (3, "device"), (3, "host")])
+def test_ranks_sharing_a_gpu_move_exact_bytes_on_the_streams(ranks, path):
+    free0 = torch.cuda.mem_get_info()[0]
+    with ParallelGroup("stream-path", slot_bytes=4 << 20, device_path=path == "device") as g:
+        g.start(["cuda:0"] * ranks, IMPORTS)
+        assert g.data_path == path
+        # lanes of 2 MiB: several rounds, both parities, zero-size and odd pieces
+        sizes = [[(4 << 20) + 4 * (i + 3 * j) if (i + j) % 3 else 0 for j in range(ranks)] for i in range(ranks)]
+        assert g.run("test.exchange", {"sizes": sizes, "broadcast": 1000}).values == [True] * ranks
+    torch.cuda.synchronize()
+    # cudaFree and every IPC mapping closed: rank 0's free memory is back (within torch's cache, which it reuses)
+    assert torch.cuda.mem_get_info()[0] >= free0 - (64 << 20)
+
+
+@cuda
+def test_a_failed_write_and_verify_test_falls_back_to_the_host_path(monkeypatch, caplog):
+    # each of the two ranks gets bytes other than it expects, as from a driver that claims P2P and lies
+    real = stream_path._pattern
+    monkeypatch.setattr(stream_path, "_pattern", lambda *a: real(*a) + 1)  # rank 0 only: its bytes are not what rank 1 expects
+    with caplog.at_level("INFO", logger="comfy.parallel.stream_path"), ParallelGroup("fallback") as g:
+        g.start(["cuda:0"] * 2, IMPORTS)
+        assert g.data_path == "host"
+        assert g.run("test.exchange", {"sizes": [[8, 4000], [12, 4]], "broadcast": 10}).values == [True, True]
+    lines = [r.message for r in caplog.records if "device-to-device copies are off" in r.message]
+    assert len(lines) == 1 and "0->1, 1->0" in lines[0]
+
+
+@cuda
+@pytest.mark.parametrize("path", ["device", "host"])
+def test_a_rank_killed_mid_copy_is_named_and_rank0_s_gpu_stays_usable(path):
+    with ParallelGroup("killed", device_path=path == "device") as g:
+        g.start(["cuda:0"] * 2, IMPORTS)
+        assert g.data_path == path
+        pid = g.worker_pids()[1]
+        threading.Timer(2.0, os.kill, (pid, 9)).start()
+        with pytest.raises(ParallelGroupError, match="worker rank 1 .* was killed by SIGKILL during op 'test.stream'"):
+            g.run("test.stream", {"mb": 64, "seconds": 30})
+    done = threading.Event()
+    threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
+    assert wait_until(done.is_set, 20), "rank 0's GPU work did not finish after its peer died"
+    x = torch.arange(10, device="cuda")
+    assert int(x.sum()) == 45
+
+
+@cuda
+def test_a_cancelled_op_leaves_the_streams_drained_and_the_next_op_exact():
+    with ParallelGroup("cancel") as g:
+        g.start(["cuda:0"] * 2, IMPORTS)
+        threading.Timer(1.0, g.cancel).start()
+        with pytest.raises(ParallelCancelled):
+            g.run("test.stream", {"mb": 64, "seconds": 30})
+        assert g.run("test.exchange", {"sizes": [[8, 6 << 20], [12 << 20, 4]], "broadcast": 10}).values == [True, True]
