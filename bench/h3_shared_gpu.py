@@ -197,7 +197,7 @@ def main():
     ap.add_argument("--device", default="cuda:0", help="every rank's device (cpu with H3SP_BENCH_TINY=1 --case tiny: a smoke run)")
     a = ap.parse_args()
     result = {"what": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name() if a.device != "cpu" else "cpu", "torch": torch.__version__,
-              "machine": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
+              "machine": platform.node(), "commit": os.environ.get("H3SP_COMMIT"), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     for n, path in ((n, p) for n in map(int, a.ranks.split(",")) for p in a.paths.split(",")):
         thread_only(path == "thread")
         with ParallelGroup(f"bench-{n}", device_path=path == "device") as group:

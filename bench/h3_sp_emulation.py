@@ -35,8 +35,10 @@ import time
 import torch
 
 # (height, width, frames, text rows): the packed lengths 38,222 and 75,794 (the peer's 243-frame case)
-CASES = {"38k": (768, 1344, 124, 512), "75k": (768, 1344, 243, 2408), "tiny": (64, 64, 9, 16)}  # tiny: CPU smoke runs
-LINKS = {"nvlink": 400.0, "pcie4x16": 25.0, "pcie3x8": 7.0}
+CASES = {"15k": (480, 832, 124, 512), "38k": (768, 1344, 124, 512), "75k": (768, 1344, 243, 2408), "tiny": (64, 64, 9, 16)}  # tiny: CPU smoke runs
+LINKS = {"nvlink": 400.0, "pcie5x16": 50.0, "pcie4x16": 25.0, "pcie3x8": 7.0}
+# the data path each link is paced as: the fixed cost per collective measured for that path (h3_shared_gpu.py)
+PATH_OF = {"nvlink": "device", "pcie5x16": "host", "pcie4x16": "host", "pcie3x8": "host", "matched_3gpu": "host", "matched_2gpu": "host"}
 # (link GB/s, that box's 1-GPU s/step, tokens, what) from bench/peers.json
 PEERS = {"matched_3gpu": (25.0, 65.0, 75794, "MultiStream, 3x RTX PRO 4000 24 GB, PCIe, 65.0 s/step on one GPU at 75,794 tokens"),
          "matched_2gpu": (7.0, 86.7, 75794, "MultiStream, 2x RTX 5060 Ti 16 GB, PCIe 3 x8, 86.7 s/step on one GPU at 75,794 tokens")}
@@ -189,7 +191,7 @@ def step_s(parts):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="38k,75k")
+    ap.add_argument("--cases", default="15k,38k,75k")
     ap.add_argument("--ranks", default="2,3,4,8")
     ap.add_argument("--layers", type=int, default=4, help="real-width blocks built (the median block is projected to 50)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -197,13 +199,14 @@ def main():
     ap.add_argument("--latency-from", required=True, help="h3_shared_gpu.py's JSON: the transport's cost of one collective by rank count")
     a = ap.parse_args()
     with open(a.latency_from) as f:
-        measured = {r["ranks"]: next(link["s_per_call"] for link in r["link"] if link["mb_per_pair"] == 0.001) for r in json.load(f)["runs"]}
+        measured = {(r.get("data_path", "host"), r["ranks"]): next(link["s_per_call"] for link in r["link"] if link["mb_per_pair"] == 0.001)
+                    for r in json.load(f)["runs"] if r["link"]}
     sys.path.insert(0, os.getcwd())
     from comfy.ldm.minimax_h3.ulysses import UlyssesParallel
     torch.backends.cuda.matmul.allow_tf32 = True
     model = build(a.layers)
     result = {"emulated": True, "what": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "machine": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "layers_built": a.layers,
+              "machine": platform.node(), "commit": os.environ.get("H3SP_COMMIT"), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "layers_built": a.layers,
               "blocks_projected": BLOCKS, "collective_latency_s": {}, "links_gbps": dict(LINKS), "peers": {}, "cases": {}}
     for case in a.cases.split(","):
         args, tokens = inputs(case, model)
@@ -217,14 +220,14 @@ def main():
                                          "emulated_gbps": links[name], "source": what}
         for n in map(int, a.ranks.split(",")):
             # measured at 2, 4, 8 ranks; 3 between 2 and 4
-            latency = measured.get(n) or (measured[2] + measured[4]) / 2
+            latency = {p: measured.get((p, n)) or (measured[(p, 2)] + measured[(p, 4)]) / 2 for p in ("device", "host")}
             result["collective_latency_s"][n] = latency
             for chunks in map(int, a.chunks.split(",")):
                 for fp8 in (False, True):
                     for link, gbps in [("compute only", None)] + sorted(links.items(), key=lambda kv: -kv[1]):
                         if fp8 and gbps is None:
                             continue
-                        t = EmulatedTransport(n, gbps, latency)
+                        t = EmulatedTransport(n, gbps, latency[PATH_OF.get(link, "device")])
                         sp = UlyssesParallel(0, n, model.blocks[0].attn.heads, t, chunks=chunks, fp8=fp8)
                         parts = timed(model, args, {"minimax_h3_sequence_parallel": sp}, a.repeats)
                         per_step = (a.repeats + 1) * a.layers / BLOCKS  # forwards run, in steps of 50 blocks

@@ -40,7 +40,8 @@ INPROCESS_RR_JSON = "h3_h200_inprocess_round_robin.json"
 
 # The speed-ups the project set itself as its bar: 38k tokens, NVLink, bf16 exchange.
 BAR = {2: 1.9, 4: 3.7, 8: 7.0}
-LINK_NAMES = {"nvlink": "NVLink", "pcie4x16": "PCIe 4 x16", "pcie3x8": "PCIe 3 x8",
+LINK_NAMES = {"nvlink": "device path, NVLink", "pcie5x16": "host path, PCIe 5 x16", "pcie4x16": "host path, PCIe 4 x16",
+              "pcie3x8": "host path, PCIe 3 x8",
               "matched_3gpu": "matched to MultiStream's 3 GPUs", "matched_2gpu": "matched to MultiStream's 2 GPUs"}
 
 # bench/README.md's index: results file (a glob) -> the command that writes it -> the question it answers.
@@ -226,10 +227,15 @@ def link_label(d, link):
 
 def latencies(d):
     lat = {int(n): s for n, s in (d.get("collective_latency_s") or {}).items()}
-    text = " / ".join(f_ms(lat[n]) for n in sorted(lat)) + " ms at N = " + " / ".join(str(n) for n in sorted(lat))
-    if all(n in lat for n in (2, 3, 4)) and abs(lat[3] - (lat[2] + lat[4]) / 2) < 1e-12:
-        text += "; N = 3: the mean of 2 and 4"
-    return lat, text
+    ns = " / ".join(str(n) for n in sorted(lat))
+    if all(isinstance(v, dict) for v in lat.values()):  # by data path
+        text = "; ".join(f"{p} path " + " / ".join(f_ms(lat[n][p]) for n in sorted(lat)) + f" ms at N = {ns}"
+                         for p in ("device", "host"))
+        mid = all(n in lat for n in (2, 3, 4)) and all(abs(lat[3][p] - (lat[2][p] + lat[4][p]) / 2) < 1e-12 for p in ("device", "host"))
+    else:
+        text = " / ".join(f_ms(lat[n]) for n in sorted(lat)) + f" ms at N = {ns}"
+        mid = all(n in lat for n in (2, 3, 4)) and abs(lat[3] - (lat[2] + lat[4]) / 2) < 1e-12
+    return lat, text + ("; N = 3: the mean of 2 and 4" if mid else "")
 
 
 def t_scaling(results):
@@ -240,7 +246,8 @@ def t_scaling(results):
               f"(random bf16 weights; {d.get('layers_built', '?')} blocks built, the median block projected to "
               f"{d.get('blocks_projected', '?')}) through the shipped `ulysses.py`, {chunks} head chunks. Only its "
               "all-to-alls are replaced, by device copies of the same bytes paced to the link's bandwidth plus the "
-              f"shipped transport's measured cost per collective (`collective_latency_s`: {lat_text}).")
+              f"measured cost per collective of the data path the column names (`collective_latency_s`: {lat_text}). "
+              "The device path's link is NVLink between GPUs; its cost was measured with the ranks sharing one GPU.")
     out = [caption(f"Sequence-parallel scaling of the shipped code, EMULATED on one {card(d)}: speed-up of a step over the "
                    "native step (N = 1).", EMULATION_JSON, machine(d), method), ""]
     header = ["case", "tokens", "N", "compute only (free link)"] + [f"{link_label(d, k)}, bf16" for k in links]
@@ -393,21 +400,29 @@ def t_shared(results):
     def call(r, mb, key):
         return next((x.get(key) for x in r.get("link") or [] if x.get("mb_per_pair") == mb), None)
 
-    rows = [[r["ranks"], f_sci(((r.get("parity") or {}).get("bf16") or {}).get("rel_diff")),
+    paths = {"device": "device (CUDA IPC, stream flags)", "host": "host (pinned memory, stream flags)",
+             "host, a thread per rank": "host, a thread per rank"}
+    rows = [[r["ranks"], paths.get(r.get("data_path"), r.get("data_path") or "host, a thread per rank"),
+             f_sci(((r.get("parity") or {}).get("bf16") or {}).get("rel_diff")),
              f_sci(((r.get("parity") or {}).get("fp8") or {}).get("rel_diff")),
-             f_ms(call(r, 0.001, "s_per_call")), f_ms(call(r, 0.1, "s_per_call")),
-             fmt(call(r, 256, "gb_per_s_per_rank_each_way"), 1), fmt((r.get("startup_s") or {}).get("total"), 1)] for r in runs]
+             f_ms(call(r, 0.001, "s_per_call")), f_ms(call(r, 1, "s_per_call")),
+             fmt(call(r, 64, "gb_per_s_per_rank_each_way"), 1), fmt(call(r, 256, "gb_per_s_per_rank_each_way"), 1),
+             fmt((r.get("startup_s") or {}).get("total"), 1)] for r in runs]
     tokens = next((r["parity"]["tokens"] for r in runs if (r.get("parity") or {}).get("tokens")), None)
     identical = [r["ranks"] for r in runs for e in ("bf16", "fp8") if ((r.get("parity") or {}).get(e) or {}).get("bit_identical")]
-    out = [caption(f"fp8 vs bf16 exchange, and the transport, for real on one {card(d)}: N ranks of a comfy.parallel group, every "
-                   "one on cuda:0.", SHARED_JSON, machine(d),
-                   f"Rel diff: sharded vs native output of real-width H3 (2 blocks, {f_int(tokens)} tokens, random bf16 weights), "
-                   "max |a - b| / max |b|. The transport: seconds per all-to-all (the slowest rank) at 1 KB and 100 KB per "
-                   "peer pair, and bandwidth per rank each way at 256 MB per pair (device -> pinned host -> device)."), ""]
-    out += table(["N", "rel diff, bf16 exchange", "rel diff, fp8 exchange", "1 KB all-to-all ms", "100 KB all-to-all ms",
-                  "256 MB per pair: GB/s per rank each way", "group start-up s"], rows)
-    out += ["", "The N ranks share one GPU's PCIe link to host memory, so the bandwidth per rank falls as N grows: it is not "
-                "what N GPUs would each get. The 1 KB time is the per-collective cost the emulation adds. "
+    out = [caption(f"The data paths for real on one {card(d)}: N ranks of a comfy.parallel group, every one on cuda:0.",
+                   SHARED_JSON, machine(d) + (f"; code: commit {d['commit']}" if d.get("commit") else ""),
+                   f"Rel diff (where run): sharded vs native output of real-width H3 (2 blocks, {f_int(tokens)} tokens, random "
+                   "bf16 weights), max |a - b| / max |b|. The data path: seconds per all-to-all (the slowest rank, back to back, "
+                   "the GPU synchronized at the end) at 1 KB and 1 MB per peer pair, and bandwidth per rank each way at 64 and "
+                   "256 MB per pair. device: copies into the peer's buffer on the copy engine (here same-device IPC); host: "
+                   "device -> pinned host -> device; both ordered by flags the GPUs write and wait on. A thread per rank: the "
+                   "transport before them (the fallback for GPUs without stream memory operations, and the CPU path)."), ""]
+    out += table(["N", "data path", "rel diff, bf16 exchange", "rel diff, fp8 exchange", "1 KB all-to-all ms", "1 MB all-to-all ms",
+                  "64 MB per pair: GB/s per rank each way", "256 MB per pair: GB/s per rank each way", "group start-up s"], rows)
+    out += ["", "The N ranks share one GPU (its copy engines, its memory, its PCIe link to host memory), so the bandwidth per "
+                "rank falls as N grows: it is not what N GPUs would each get, and the device path here copies within one GPU, "
+                "not over NVLink. The 1 KB time is the per-collective cost the emulation adds for that path. "
                 + ("No sharded output is bit-identical to the native one." if not identical else
                    f"Bit-identical at N = {', '.join(map(str, sorted(set(identical))))}.")]
     return out
