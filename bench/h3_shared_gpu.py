@@ -75,7 +75,7 @@ def link(ctx, meta):
         ctx.transport.all_to_all(sends, recvs, sizes).wait()
     sync(ctx.device)
     seconds = (time.perf_counter() - t0) / meta["repeats"]
-    lane = ctx.transport.lane if ctx.transport.device_path is None else ctx.transport.device_path.lane
+    lane = ctx.transport.lane if ctx.transport.stream_path is None else ctx.transport.stream_path.lane
     return {"s": seconds, "rounds": -(-size // lane)}
 
 

@@ -65,7 +65,12 @@ def _libs():
                                 (rt, "cudaHostGetDevicePointer", [ctypes.POINTER(VP), VP, ctypes.c_uint]),
                                 (drv, "cuStreamWaitValue32", [VP, ctypes.c_uint64, U32, ctypes.c_uint]),
                                 (drv, "cuStreamWriteValue32", [VP, ctypes.c_uint64, U32, ctypes.c_uint])):
-            getattr(lib, name).argtypes = args
+            # cuda.h (12+) maps these names to the _v2 entry points, which need no driver option; the plain
+            # symbols are the v1 API, "operation not supported" unless the driver enables stream memory operations
+            fn = getattr(lib, name + "_v2", None) if lib is drv else None
+            fn = fn if fn is not None else getattr(lib, name)
+            fn.argtypes = args
+            setattr(lib, "h3sp_" + name, fn)
         _LIBS.update(rt=rt, drv=drv)
     return _LIBS["rt"], _LIBS["drv"]
 
@@ -106,30 +111,38 @@ class StreamPath:
         self.rt, self.drv = _libs()
         n, self.round, self.peers, self.failed, self.buffer = host.world_size, 0, {}, None, VP()
         self.flags = host.flags  # int32 view of the flag page
+        self._flags_registered = False
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
-            flags_dev = VP()
             _check(self.rt.cudaHostRegister(self.flags.data_ptr(), self.flags.numel() * 4, HOST_REGISTER), "cudaHostRegister of the flag page")
             self._flags_registered = True
-            _check(self.rt.cudaHostGetDevicePointer(ctypes.byref(flags_dev), self.flags.data_ptr(), 0), "cudaHostGetDevicePointer")
-            self.flags_dev = flags_dev.value
-            # a wait on a flag that is already there: the stream memory operations work on this device
-            self._wait_flag(self.host.rank, POSTED, 0)
-            self.stream.synchronize()
-            if mode == "device":
-                self.lane = max(ALIGN, host.slot_bytes // n // ALIGN * ALIGN)
-                _check(self.rt.cudaMalloc(ctypes.byref(self.buffer), 2 * n * self.lane), f"cudaMalloc of {2 * n * self.lane >> 20} MiB")
-            else:
-                self.lane = host.lane
+            try:
+                self._start(n, mode)
+            except CudaError:
+                self.close()  # nothing stays registered or allocated for the next attempt
+                raise
+
+    def _start(self, n, mode):
+        flags_dev = VP()
+        _check(self.rt.cudaHostGetDevicePointer(ctypes.byref(flags_dev), self.flags.data_ptr(), 0), "cudaHostGetDevicePointer")
+        self.flags_dev = flags_dev.value
+        # a wait on a flag that is already there: the stream memory operations work on this device
+        self._wait_flag(self.host.rank, POSTED, 0)
+        self.stream.synchronize()
+        if mode == "device":
+            self.lane = max(ALIGN, self.host.slot_bytes // n // ALIGN * ALIGN)
+            _check(self.rt.cudaMalloc(ctypes.byref(self.buffer), 2 * n * self.lane), f"cudaMalloc of {2 * n * self.lane >> 20} MiB")
+        else:
+            self.lane = self.host.lane
 
     def _flag(self, rank, which):
         return self.flags_dev + (rank * FLAG_STRIDE + which) * 4
 
     def _wait_flag(self, rank, which, value):
-        _check(self.drv.cuStreamWaitValue32(self.stream.cuda_stream, self._flag(rank, which), value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+        _check(self.drv.h3sp_cuStreamWaitValue32(self.stream.cuda_stream, self._flag(rank, which), value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
 
     def _write_flag(self, which, value):
-        _check(self.drv.cuStreamWriteValue32(self.stream.cuda_stream, self._flag(self.host.rank, which), value & 0xFFFFFFFF, 0),
+        _check(self.drv.h3sp_cuStreamWriteValue32(self.stream.cuda_stream, self._flag(self.host.rank, which), value & 0xFFFFFFFF, 0),
                "cuStreamWriteValue32")
 
     def _copy(self, dst, src, size):
