@@ -222,9 +222,18 @@ def gbps_of(d, link):
     return (d.get("links_gbps") or {}).get(link) or ((d.get("peers") or {}).get(link) or {}).get("emulated_gbps")
 
 
+def by_path(d):
+    """Whether the emulation paced each column with the cost of the path it names (runs of the stream path on)."""
+    lat = (d.get("collective_latency_s") or {}).values()
+    return bool(lat) and all(isinstance(v, dict) for v in lat)
+
+
 def link_label(d, link):
     gbps = gbps_of(d, link)
-    return f"{LINK_NAMES.get(link, link)} {gbps:.3g} GB/s" if _num(gbps) else LINK_NAMES.get(link, link)
+    name = LINK_NAMES.get(link, link)
+    if not by_path(d):  # one transport paced every column: the column names a link, not a path
+        name = name.split(", ", 1)[-1]
+    return f"{name} {gbps:.3g} GB/s" if _num(gbps) else name
 
 
 def latencies(d):
@@ -248,8 +257,12 @@ def t_scaling(results):
               f"(random bf16 weights; {d.get('layers_built', '?')} blocks built, the median block projected to "
               f"{d.get('blocks_projected', '?')}) through the shipped `ulysses.py`, {chunks} head chunks. Only its "
               "all-to-alls are replaced, by device copies of the same bytes paced to the link's bandwidth plus the "
-              f"measured cost per collective of the data path the column names (`collective_latency_s`: {lat_text}). "
-              "The device path's link is NVLink between GPUs; its cost was measured with the ranks sharing one GPU.")
+              + ("measured cost per collective of the data path the column names (`collective_latency_s`: "
+                 f"{lat_text}). The device path's link is NVLink between GPUs; its cost was measured with the ranks "
+                 "sharing one GPU." if by_path(d) else
+                 f"measured cost per collective of the threaded host transport in every column (`collective_latency_s`: "
+                 f"{lat_text}): this run predates the stream path, so no column is the device path over NVLink; the "
+                 "NVLink column is that transport paced at NVLink's bandwidth, which it cannot reach between GPUs."))
     out = [caption(f"Sequence-parallel scaling of the shipped code, EMULATED on one {card(d)}: speed-up of a step over the "
                    "native step (N = 1).", EMULATION_JSON, machine(d), method), ""]
     header = ["case", "tokens", "N", "compute only (free link)"] + [f"{link_label(d, k)}, bf16" for k in links]
