@@ -219,9 +219,7 @@ class ParallelGroup:
     def _wait(self, done, deadline, late):
         """Until ``done()`` (under the lock); a fault raises it; past ``deadline`` ``late()`` breaks the group."""
         with self._cond:
-            while True:
-                if self.error is not None:
-                    raise self.error
+            while self.error is None:
                 if self.state == "closing":
                     raise ParallelStateError(f"group {self.name!r} was closed")
                 if done():
@@ -230,7 +228,9 @@ class ParallelGroup:
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.25))
-        raise self._set_fault(late())
+        err = self.error or self._set_fault(late())
+        _wait_all(list(self._workers), 5.0)  # each was sent SIGKILL: the fault reaches the caller with none running
+        raise err
 
     def run(self, op_name, meta=None, timeout=None):
         """Run op ``op_name`` on every rank -> ``OpResult``. An exception of the op on rank 0 is raised as it is,
