@@ -77,7 +77,7 @@ INDEX = (
      "The same again (a second run), plus one thread driving all N ranks in turn, the threads' CPU time and other GIL "
      "switch intervals: is it the GIL?"),
     ("logs/*.log", "the command, commit and machine on each log's first line (`scripts/test.sh`, `bench/device/run.sh`)",
-     "The runs that write no JSON: the slow test tier, the data path's GPU tests, failures found on the GPU"),
+     "The runs that write no JSON: the one-process test run, the slow test tier, the data path's GPU tests, failures found on the GPU"),
     ("patch_check*.json", "`patches/check`", "Does the series apply to the base, pass our tests there, and regress none of ComfyUI's?"),
 )
 
