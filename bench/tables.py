@@ -640,6 +640,46 @@ def t_inprocess(results):
     return out
 
 
+# ---------------------------------------------------------------- the series' size (from patches/)
+
+PATCHES = ROOT / "patches"
+# the review's line budgets (non-blank added lines, tests not counted): path prefixes -> goal
+BUDGETS = (("comfy/parallel/", ("comfy/parallel/",), 700), ("comfy/model_patcher_snapshot.py", ("comfy/model_patcher_snapshot.py",), 300),
+           ("the node + comfy/ldm/minimax_h3/", ("comfy/ldm/minimax_h3/", "comfy_extras/nodes_minimax_h3_parallel.py"), 500))
+
+
+def patch_lines(path):
+    """One patch file -> {file path: non-blank added lines}."""
+    counts, current = {}, None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("diff --git "):
+            current = line.split(" b/", 1)[1]
+            counts[current] = 0
+        elif current and line.startswith("+") and not line.startswith("+++") and line[1:].strip():
+            counts[current] += 1
+    return counts
+
+
+def t_series(results):
+    names = [n.strip() for n in (PATCHES / "series").read_text(encoding="utf-8").splitlines() if n.strip()] \
+        if (PATCHES / "series").is_file() else []
+    if not names:
+        raise Skip("patches/series not found")
+    rows, every = [], {}
+    for name in names:
+        counts = patch_lines(PATCHES / name)
+        every.update(counts)
+        tests = sum(v for k, v in counts.items() if k.startswith("tests-unit/"))
+        rows.append([f"`{name}`", str(len(counts)), str(sum(counts.values()) - tests), str(tests)])
+    out = ["**The series' size**, counted from `patches/*.patch`: non-blank added lines per patch, code and tests "
+           "apart (a modified upstream file counts its added lines).", ""]
+    out += table(["patch", "files", "added lines, not tests", "added lines, tests"], rows, ["l", "r", "r", "r"])
+    budget_rows = [[what, str(sum(v for k, v in every.items() if k.startswith(prefixes))), str(goal)]
+                   for what, prefixes, goal in BUDGETS]
+    out += ["", "Against the line budgets the maintainer review set (non-blank lines, tests not counted):", ""]
+    return out + table(["code", "lines now", "budget"], budget_rows, ["l", "r", "r"])
+
+
 # ---------------------------------------------------------------- the results index (bench/README.md only)
 
 def t_index(results):
@@ -669,9 +709,10 @@ SECTIONS = {  # name: (title in a skipped-table comment, function of the results
     "seam": ("patch 0001 on CUDA", t_seam),
     "inprocess": ("in-process threads vs processes", t_inprocess),
     "index": ("results index", t_index),
+    "series": ("the series' size", t_series),
 }
-README_TABLES = ("scaling", "peers")
-APPENDIX_TABLES = ("scaling", "peers", "exposed", "shared", "control", "users", "seam", "inprocess")
+README_TABLES = ("scaling", "peers", "series")
+APPENDIX_TABLES = ("scaling", "peers", "exposed", "shared", "control", "users", "seam", "inprocess", "series")
 BENCH_TABLES = APPENDIX_TABLES + ("index",)
 
 

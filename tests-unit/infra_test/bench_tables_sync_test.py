@@ -61,8 +61,9 @@ def test_check_fails_on_a_hand_edited_number(tables, tmp_path, monkeypatch, caps
 def test_each_target_gets_its_own_set(tables):
     readme, bench, rfc = (tables.generate(tables.RESULTS, tables.tables_for(doc)) for doc in (tables.README, tables.BENCH_README, RFC))
     caps = [captions(t) for t in (readme, bench, rfc)]
-    assert len(caps[0]) == 2  # the README: the emulated scaling and the peers, nothing else
+    assert len(caps[0]) == 3  # the README: the emulated scaling, the peers and the series' size, nothing else
     assert "Sequence-parallel scaling" in caps[0][0] and "Side by side with the peers" in caps[0][1]
+    assert "The series' size" in caps[0][2] and "The series' size" in caps[2][-1]
     assert "Results index." in caps[1] and "Results index." not in caps[2]
     assert len(caps[0]) < len(caps[2]) < len(caps[1])
     for text in (readme, bench, rfc):
@@ -123,3 +124,11 @@ def test_partial_json_skips_a_table_not_the_run(tables, tmp_path):
     assert "side by side with the peers: table skipped" in block
     assert "users' GPUs: table skipped" in block
     assert "**The data paths for real" in block  # a run without numbers: a row of dashes, not a crash
+
+
+def test_the_series_size_counts_added_non_blank_lines_by_file(tables, tmp_path):
+    patch = tmp_path / "0001-x.patch"
+    patch.write_text("From x\nSubject: x\n---\ndiff --git a/a.py b/a.py\n--- a/a.py\n+++ b/a.py\n@@ -1 +1,3 @@\n+x = 1\n+\n"
+                     "-y = 2\n+   \n+z = 3\ndiff --git a/tests-unit/t.py b/tests-unit/t.py\n+++ b/tests-unit/t.py\n+assert 1\n",
+                     encoding="utf-8")
+    assert tables.patch_lines(patch) == {"a.py": 2, "tests-unit/t.py": 1}
