@@ -1,13 +1,10 @@
 """Seeded tiny MiniMax H3 models and step inputs covering every conditioning path of the forward.
 
 ``run_case(name)`` runs one case through ``comfy.ldm.minimax.model.MiniMaxH3Model`` as the sampler
-calls it. ``python tests-unit/comfy_test/minimax_h3_cases.py OUT`` writes every case's outputs to OUT
-(safetensors), so that two trees (upstream's model and a patched one) can be compared bit for bit.
+calls it.
 """
 
-import json
 import math
-import sys
 import zlib
 
 import torch
@@ -221,21 +218,3 @@ def run_case(name, seed=SEED, model=None, transformer_options=None, device="cpu"
         options["patches_replace"] = {"dit": controlnet_patches(model, options.pop("control_latent"), seed=seed)}
     options.update(transformer_options or {})
     return model(x, timestep, context, options, minimax_payload=payload, **kwargs)
-
-
-def write_outputs(path):
-    from safetensors.torch import save_file
-    tensors = {}
-    for name in CASES:
-        video, audio = run_case(name)
-        tensors[f"{name}.video"] = video.contiguous()
-        tensors[f"{name}.audio"] = audio.contiguous()
-    manifest = {"seed": SEED, "config": TINY, "cases": {k: {"model": m, "inputs": i} for k, (m, i) in CASES.items()},
-                "torch": torch.__version__}
-    save_file(tensors, path, metadata={"manifest": json.dumps(manifest, sort_keys=True)})
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: minimax_h3_cases.py OUT.safetensors")
-    write_outputs(sys.argv[1])
