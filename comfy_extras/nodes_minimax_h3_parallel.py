@@ -11,6 +11,7 @@ import logging
 import sys
 import weakref
 
+import comfy.ldm.modules.attention
 import comfy.model_management
 import comfy.patcher_extension
 import comfy.sampler_helpers
@@ -50,22 +51,30 @@ def refuse_multigpu_clones(model):
                          "remove one of the two nodes (sequence parallelism already uses every GPU for each cond and uncond step)")
 
 
-def attach(model, max_gpus, fp8_exchange=False):
+DEFAULT_ATTENTION = "ComfyUI's default"
+
+
+def attach(model, max_gpus, fp8_exchange=False, attention=DEFAULT_ATTENTION):
     """A clone of ``model`` whose H3 steps run on up to ``max_gpus`` devices (rank 0 = ComfyUI's), or ``model``
-    itself where there is one device or the platform has no worker processes."""
+    itself where there is one device or the platform has no worker processes. ``attention``: a name registered
+    with comfy.ldm.modules.attention, run on every rank."""
     diffusion = model.model.diffusion_model
     if not isinstance(diffusion, MiniMaxH3Model):
         raise ValueError(f"MiniMax H3 Sequence Parallel needs a MiniMax H3 model, got {type(diffusion).__name__}")
     devices = devices_for(max_gpus, diffusion.blocks[0].attn.heads)
-    if len(devices) < 2:
-        logging.info("MiniMax H3 Sequence Parallel: %d device(s) to use, running on %s alone", len(devices), devices[0])
-        return model
-    if not sys.platform.startswith("linux"):
-        logging.warning("MiniMax H3 Sequence Parallel runs on Linux only; running on %s alone", devices[0])
-        return model
+    if len(devices) < 2 or not sys.platform.startswith("linux"):
+        log = logging.info if len(devices) < 2 else logging.warning
+        log("MiniMax H3 Sequence Parallel: %d device(s) to use (sharded runs need Linux), running on %s alone", len(devices), devices[0])
+        if attention == DEFAULT_ATTENTION:
+            return model
+        m = model.clone()
+        m.set_model_optimized_attention(comfy.ldm.modules.attention.get_attention_function(attention))
+        return m
     refuse_multigpu_clones(model)
     sp = runner_for(model, devices, fp8_exchange)
     m = model.clone()
+    if attention != DEFAULT_ATTENTION:
+        sp.use_attention(m, attention)
 
     def prepare_sampling(executor, patcher, noise_shape, conds, *args, **kwargs):
         refuse_multigpu_clones(patcher)
@@ -108,13 +117,16 @@ class MiniMaxH3SequenceParallel(io.ComfyNode):
                 io.Boolean.Input("fp8_exchange", default=False,
                                  tooltip="Exchange attention data between GPUs in scaled fp8: half the traffic, "
                                          "slightly different output"),
+                io.Combo.Input("attention", options=[DEFAULT_ATTENTION, *sorted(comfy.ldm.modules.attention.REGISTERED_ATTENTION_FUNCTIONS)],
+                               default=DEFAULT_ATTENTION, optional=True,
+                               tooltip="The attention every GPU runs, by its registered name (ComfyUI's default: as chosen at launch)"),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model, max_gpus, fp8_exchange) -> io.NodeOutput:
-        return io.NodeOutput(attach(model, max_gpus, fp8_exchange))
+    def execute(cls, model, max_gpus, fp8_exchange, attention=DEFAULT_ATTENTION) -> io.NodeOutput:
+        return io.NodeOutput(attach(model, max_gpus, fp8_exchange, attention))
 
 
 class MiniMaxH3ParallelExtension(ComfyExtension):

@@ -55,8 +55,8 @@ class Workflow:
     def lora(self, model, strength, name="lora.safetensors"):
         return self.nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, strength)[0]
 
-    def parallel(self, model, gpus, fp8_exchange=False):
-        return self.sp_node.MiniMaxH3SequenceParallel.execute(model, gpus, fp8_exchange).result[0]
+    def parallel(self, model, gpus, fp8_exchange=False, **kw):
+        return self.sp_node.MiniMaxH3SequenceParallel.execute(model, gpus, fp8_exchange, **kw).result[0]
 
     def compute_dtype(self, model, dtype):
         return self.advanced.ModelComputeDtype().patch(model, dtype)[0]
@@ -477,29 +477,26 @@ def test_easycache_before_or_after_the_node_skips_the_same_steps_and_sends_nothi
         assert _rel(sharded, native) <= TOL, order
 
 
-def test_a_registered_attention_override_runs_on_every_rank_by_name(workflow):
-    """An attention function registered with comfy.ldm.modules.attention (by a custom node, here a test
-    module) and set with set_model_optimized_attention runs on every rank: its effect is in the sharded
-    output exactly as natively. One with no registered name is refused before anything is sent."""
+def test_the_node_s_attention_runs_on_every_rank_by_its_registered_name(workflow):
+    """The node's `attention` input: the function registered under that name with comfy.ldm.modules.attention
+    (here by a test module, which the workers import as they would need a custom node's) runs on every rank:
+    its effect is in the sharded output exactly as natively. An attention patched onto the model outside the
+    node (core's ModelAttentionBackend after it) is refused before anything is sent."""
     from comfy_extras_test import h3_attention_for_tests
     from comfy.ldm.modules import attention
     w = workflow
     base = w.unet("h3_fp32.safetensors")
-    function = attention.get_attention_function(h3_attention_for_tests.NAME)
-
-    def with_attention(m, f):
-        m = m.clone()
-        m.set_model_optimized_attention(f)
-        return m
-    plain, native = w.step(base), w.step(with_attention(base, function))
-    node = w.parallel(base, 2)
+    with_attention = base.clone()
+    with_attention.set_model_optimized_attention(attention.get_attention_function(h3_attention_for_tests.NAME))
+    plain, native = w.step(base), w.step(with_attention)
+    node = w.parallel(base, 2, attention=h3_attention_for_tests.NAME)
     sp = _runner(node)
+    sp.imports.append(h3_attention_for_tests.__name__)
     try:
-        sharded = w.step(with_attention(node, function))
-        assert "comfy_extras_test.h3_attention_for_tests" in sp.imports
+        sharded = w.step(node)
         pids = sp.group.worker_pids()
-        with pytest.raises(ValueError, match="this one has none: register it with comfy.ldm.modules.attention.register_attention_function"):
-            w.step(with_attention(node, lambda *a, **k: function(*a, **k)))
+        with pytest.raises(ValueError, match="choose it in the node's 'attention' input"):
+            w.step(w.attention(node, "pytorch attention"))
         assert sp.group.worker_pids() == pids and sp.steps_run == 1
     finally:
         sp.close()

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -119,26 +120,6 @@ def decode(obj, tensors):
     return obj
 
 
-def attention_name(transformer_options):
-    """The registered name (comfy.ldm.modules.attention) of the per-model attention override, None without one.
-    Every rank runs it by that name; an override that has none cannot reach the other ranks and is refused."""
-    override = transformer_options.get("optimized_attention_override")
-    if override is None:
-        return None
-    # set_model_optimized_attention keeps the function it wraps
-    function = getattr(override, "optimized_attention", None)
-    name = next((n for n, f in attention.REGISTERED_ATTENTION_FUNCTIONS.items() if f is function), None)
-    if name is None:
-        raise ValueError("MiniMax H3 sequence parallelism runs a per-model attention override on every GPU by its registered name, "
-                         "and this one has none: register it with comfy.ldm.modules.attention.register_attention_function, or "
-                         "choose the attention with ComfyUI's launch flags (e.g. --use-sage-attention, --use-flash-attention)")
-    return name
-
-
-def attention_modules(patcher):
-    """The modules that register the attention function ``patcher`` overrides with (the workers import them)."""
-    name = attention_name(patcher.model_options.get("transformer_options", {}))
-    return [] if name is None else [attention.REGISTERED_ATTENTION_FUNCTIONS[name].__module__]
 
 
 def file_identity(path):
@@ -258,8 +239,12 @@ def forward_op(ctx, meta):
         options = decode(meta["options"], inputs)
         if meta["attention"] is not None:
             # the override as rank 0's ModelPatcher made it, from the function registered under that name here
+            function = attention.get_attention_function(meta["attention"], None)
+            if function is None:
+                raise RuntimeError(f"attention {meta['attention']!r} is not registered in the worker processes: "
+                                   "only the attention functions ComfyUI registers itself run on every GPU")
             with_attention = patcher.clone()
-            with_attention.set_model_optimized_attention(attention.get_attention_function(meta["attention"]))
+            with_attention.set_model_optimized_attention(function)
             options["optimized_attention_override"] = with_attention.model_options["transformer_options"]["optimized_attention_override"]
 
         def run(options):
@@ -327,6 +312,7 @@ class SequenceParallel:
         self.inputs = StepInputs()
         self._rank0 = {}  # rank 0's ctx.state: no reference to a ModelPatcher, which would keep the base model alive
         self._starting = None  # (thread, outcome) of start_workers() until prepare() joins it
+        self._attention = weakref.WeakKeyDictionary()  # the overrides use_attention set -> their registered name
 
     @property
     def world_size(self):
@@ -336,7 +322,6 @@ class SequenceParallel:
         """Start the workers and their checkpoint load on a thread, while this one loads rank 0's model
         (touches no ModelPatcher: the thread runs the group and the setup op only)."""
         self._join()
-        self._add_imports(patcher)
         if self.group.state == "ready":
             return
         self._rank0_setup(patcher)
@@ -361,7 +346,6 @@ class SequenceParallel:
     def prepare(self, patcher):
         """Before sampling with ``patcher`` (ON_PRE_RUN): workers started, every rank on its patch state."""
         self._join()
-        self._add_imports(patcher)
         if self.group.state != "ready":
             self._rank0_setup(patcher)
             self._start_group()
@@ -369,12 +353,28 @@ class SequenceParallel:
         self.inputs.reset()
         self.sync(snapshots.PatchSnapshot.capture(patcher, previous=self.synced))
 
-    def _add_imports(self, patcher):
-        """Workers that lack the module registering ``patcher``'s attention function start again with it."""
-        modules = [m for m in attention_modules(patcher) if m not in self.imports]
-        if modules:
-            self.imports += modules
-            self.group.close()
+    def use_attention(self, patcher, name):
+        """Make ``patcher`` (rank 0's clone) run the attention function registered as ``name``
+        (comfy.ldm.modules.attention), and every other rank the one registered under that name there."""
+        function = attention.get_attention_function(name, None)
+        if function is None:
+            raise ValueError(f"no attention function is registered as {name!r}; choose one of "
+                             f"{sorted(attention.REGISTERED_ATTENTION_FUNCTIONS)}")
+        patcher.set_model_optimized_attention(function)
+        self._attention[patcher.model_options["transformer_options"]["optimized_attention_override"]] = name
+
+    def attention_name(self, transformer_options):
+        """The name every rank runs the attention by: None for ComfyUI's default, else the one use_attention
+        set. Any other per-model attention override cannot reach the other ranks and is refused."""
+        override = transformer_options.get("optimized_attention_override")
+        if override is None:
+            return None
+        name = self._attention.get(override)
+        if name is None:
+            raise ValueError("MiniMax H3 sequence parallelism runs the same attention on every GPU, and this model's attention "
+                             "was patched before or after the node: choose it in the node's 'attention' input instead, or "
+                             "with ComfyUI's launch flags (e.g. --use-sage-attention)")
+        return name
 
     def _rank0_setup(self, patcher):
         model = patcher.model.diffusion_model
@@ -427,7 +427,7 @@ class SequenceParallel:
         if odd:
             raise ValueError(f"MiniMax H3 sequence parallelism cannot run the block patches {odd} (H3 runs dit double_block "
                              "patches only). Remove them or run on one GPU.")
-        attention_name(transformer_options)
+        self.attention_name(transformer_options)
         video, audio = x
         layout = payload.get("layout")
         if layout is None:
@@ -471,7 +471,7 @@ class SequenceParallel:
         options = self._options(transformer_options, send)
         meta = {"args": args, "options": options, "send": [[tid, str(t.dtype).removeprefix("torch."), list(t.shape)] for tid, t in send],
                 "held": self.inputs.held(), "fresh_run": self.inputs.fresh_run, "chunks": self.chunks, "memory_required": self.memory_required,
-                "fp8_exchange": self.fp8_exchange, "attention": attention_name(transformer_options),
+                "fp8_exchange": self.fp8_exchange, "attention": self.attention_name(transformer_options),
                 "patched_blocks": sorted(i for _, i in transformer_options.get("patches_replace", {}).get("dit", {}))}
         self.inputs.fresh_run = False
         self._rank0.update(send=[(tid, t.contiguous()) for tid, t in send], options=transformer_options,
