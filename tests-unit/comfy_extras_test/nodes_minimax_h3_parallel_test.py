@@ -503,6 +503,14 @@ def test_the_node_s_attention_runs_on_every_rank_by_its_registered_name(workflow
     assert _rel(sharded, native) <= TOL and _rel(native, plain) > 1e-3
 
 
+def test_the_node_offers_comfyuis_default_and_every_registered_attention_name():
+    from comfy.ldm.modules import attention
+    from comfy_extras.nodes_minimax_h3_parallel import DEFAULT_ATTENTION, MiniMaxH3SequenceParallel
+    spec = MiniMaxH3SequenceParallel.INPUT_TYPES()["optional"]["attention"][1]
+    assert spec["default"] == DEFAULT_ATTENTION == spec["options"][0]
+    assert sorted(spec["options"][1:]) == sorted(attention.REGISTERED_ATTENTION_FUNCTIONS) and "pytorch" in spec["options"]
+
+
 @pytest.mark.parametrize("world,feeds_block", [(2, False), (3, False), (2, True)])
 def test_a_fun_controlnet_patch_runs_on_rank0_and_equals_the_workflow_without_the_node(workflow, world, feeds_block):
     """The Fun ControlNet-Union tower (comfy/ldm/minimax/controlnet.py) joins the model as double-block
