@@ -1,5 +1,6 @@
 """The node's CUDA path on one GPU: two ranks share cuda:0 (ComfyUI reports the GPU twice), so the
-transport copies device -> pinned shared memory -> device as it does between two GPUs, with
+group's CUDA data path runs as it does between two GPUs (device to device where its write-and-verify
+test passes, here within one GPU; else through pinned host memory), with
 ComfyUI's loader, a LoRA and KSampler, against the same workflow without the node.
 
 Tolerance: bf16 weights computing in bf16 on the GPU; sharding changes which rank computes which rows
