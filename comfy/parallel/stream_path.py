@@ -63,14 +63,11 @@ def _libs():
                                 (rt, "cudaIpcCloseMemHandle", [VP]), (rt, "cudaMemcpyAsync", [VP, VP, SZ, ctypes.c_int, VP]),
                                 (rt, "cudaHostRegister", [VP, SZ, ctypes.c_uint]), (rt, "cudaHostUnregister", [VP]),
                                 (rt, "cudaHostGetDevicePointer", [ctypes.POINTER(VP), VP, ctypes.c_uint]),
-                                (drv, "cuStreamWaitValue32", [VP, ctypes.c_uint64, U32, ctypes.c_uint]),
-                                (drv, "cuStreamWriteValue32", [VP, ctypes.c_uint64, U32, ctypes.c_uint])):
-            # cuda.h (12+) maps these names to the _v2 entry points, which need no driver option; the plain
-            # symbols are the v1 API, "operation not supported" unless the driver enables stream memory operations
-            fn = getattr(lib, name + "_v2", None) if lib is drv else None
-            fn = fn if fn is not None else getattr(lib, name)
-            fn.argtypes = args
-            setattr(lib, "h3sp_" + name, fn)
+                                # the _v2 entry points, as cuda.h (12+) names them: the plain symbols are the v1
+                                # API, "operation not supported" unless a driver option enables it
+                                (drv, "cuStreamWaitValue32_v2", [VP, ctypes.c_uint64, U32, ctypes.c_uint]),
+                                (drv, "cuStreamWriteValue32_v2", [VP, ctypes.c_uint64, U32, ctypes.c_uint])):
+            getattr(lib, name).argtypes = args
         _LIBS.update(rt=rt, drv=drv)
     return _LIBS["rt"], _LIBS["drv"]
 
@@ -139,10 +136,10 @@ class StreamPath:
         return self.flags_dev + (rank * FLAG_STRIDE + which) * 4
 
     def _wait_flag(self, rank, which, value):
-        _check(self.drv.h3sp_cuStreamWaitValue32(self.stream.cuda_stream, self._flag(rank, which), value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+        _check(self.drv.cuStreamWaitValue32_v2(self.stream.cuda_stream, self._flag(rank, which), value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
 
     def _write_flag(self, which, value):
-        _check(self.drv.h3sp_cuStreamWriteValue32(self.stream.cuda_stream, self._flag(self.host.rank, which), value & 0xFFFFFFFF, 0),
+        _check(self.drv.cuStreamWriteValue32_v2(self.stream.cuda_stream, self._flag(self.host.rank, which), value & 0xFFFFFFFF, 0),
                "cuStreamWriteValue32")
 
     def _copy(self, dst, src, size):

@@ -120,8 +120,6 @@ def decode(obj, tensors):
     return obj
 
 
-
-
 def file_identity(path):
     """Size, mtime, inode and safetensors header hash: a changed file changes it, without a full read."""
     st = os.stat(path)
@@ -356,11 +354,7 @@ class SequenceParallel:
     def use_attention(self, patcher, name):
         """Make ``patcher`` (rank 0's clone) run the attention function registered as ``name``
         (comfy.ldm.modules.attention), and every other rank the one registered under that name there."""
-        function = attention.get_attention_function(name, None)
-        if function is None:
-            raise ValueError(f"no attention function is registered as {name!r}; choose one of "
-                             f"{sorted(attention.REGISTERED_ATTENTION_FUNCTIONS)}")
-        patcher.set_model_optimized_attention(function)
+        patcher.set_model_optimized_attention(attention.get_attention_function(name))
         self._attention[patcher.model_options["transformer_options"]["optimized_attention_override"]] = name
 
     def attention_name(self, transformer_options):
