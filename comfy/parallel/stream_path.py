@@ -85,7 +85,7 @@ def verdict(records, passed):
     capabilities = {bytes(r[HANDLE:HANDLE + 2]) for r in records}
     if len(capabilities) > 1:
         return False, f"the GPUs differ in compute capability ({sorted(tuple(c) for c in capabilities)})"
-    bad = [(i, r) for r, row in enumerate(passed) for i, ok in enumerate(row) if not ok]
+    bad = sorted((i, r) for r, row in enumerate(passed) for i, ok in enumerate(row) if not ok)
     if bad:
         return False, "the write-and-verify test failed from rank -> to rank " + ", ".join(f"{i}->{r}" for i, r in bad)
     return True, ""
@@ -235,6 +235,7 @@ class StreamPath:
     def close(self):
         with torch.cuda.device(self.device):
             self.drain()
+            self.reset()  # a path attached next (the host path after a failed test) starts from round 0 too
             for ptr in self.peers.values():
                 self.rt.cudaIpcCloseMemHandle(ptr)
             self.peers = {}
