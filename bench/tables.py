@@ -13,6 +13,7 @@ reproducible. Superseded runs live in bench/results/archive/ and are in no table
 """
 
 import argparse
+import collections
 import difflib
 import fnmatch
 import json
@@ -34,7 +35,7 @@ SHARED_JSON = "h3_gpu_shared.json"
 USERS_JSON = "h3_gpu_users.json"
 CONTROL_JSON = "h3_gpu_controlnet.json"
 GPU_TEST_LOG = "h3_gpu_test.log"
-SEAM_CUDA_JSON = "h3_h200_seam_cuda.json"
+SEAM_CUDA_JSON = "h3_h100_seam_cuda.json"
 INPROCESS_JSON = "h3_h200_inprocess.json"
 INPROCESS_RR_JSON = "h3_h200_inprocess_round_robin.json"
 
@@ -66,7 +67,8 @@ INDEX = (
                    f"tree ({DEVICE}, section `gpu_test`)",
      "Does the node's CUDA path (two ranks sharing one GPU, ComfyUI's loader, a LoRA, KSampler) match the workflow "
      "without the node?"),
-    (SEAM_CUDA_JSON, "`h3_seam_cuda.py --out` in the unpatched and in the patched tree, then `--compare`",
+    (SEAM_CUDA_JSON, "`h3_seam_cuda.py --out` in the base and in the base + 0001 tree (0001 at d901f09), then `--compare` "
+                     f"({DEVICE.split(' through')[0]})",
      "Does patch 0001 change a number or a kernel on CUDA (every case of minimax_h3_cases.py)?"),
     (INPROCESS_JSON, "`h3_inprocess.py --check --cudnn-bar` (`COMFYUI_DIR`: the h3-newest base, upstream's own DiTBlock; run "
                      "by the script's first revision, which took the same measurements without the second file's additions)",
@@ -202,6 +204,11 @@ def emulation(results):
     if not runs:
         raise Skip(f"{EMULATION_JSON} has no runs")
     chunks = min(r["chunks"] for r in runs)
+    for c in cases.values():  # a run stopped mid-case has not written its last case's exposed seconds: the same difference
+        for r in c.get("runs") or []:
+            free = next((f for f in c["runs"] if (f["ranks"], f["chunks"], f["gbps"]) == (r["ranks"], r["chunks"], None)), None)
+            if "exposed_comm_s" not in r and free is not None:
+                r["exposed_comm_s"] = r["step_s"] - free["step_s"]
     return d, cases, chunks
 
 
@@ -277,8 +284,12 @@ def t_scaling(results):
     out += table(header, rows)
     native = "; ".join(f"{name} {f_s((c.get('native') or {}).get('step_s'))} s" for name, c in cases.items())
     out += ["", f"Native step (N = 1, the same model and attention, projected the same way): {native}. No multi-GPU "
-                "measurement exists: every figure here is EMULATED. Not modelled: the peers (symmetric, not run) and the "
-                "real transport's host-side waits. Exposed seconds per step: the table \"Exposed communication\"."]
+                "measurement exists: every figure here is EMULATED. Not modelled: the peers (symmetric, not run)"
+                + ("; the cost per collective is the one measured with the N ranks sharing one GPU, whose processes "
+                   "time-share it, not the cost between N GPUs" if by_path(d) else " and the real transport's host-side waits")
+                + ". Exposed seconds per step: the table \"Exposed communication\"."
+                + ("" if d.get("finished") else " The run was stopped by its time limit before it finished (the JSON has no "
+                   "`finished`): — marks a case it did not reach.")]
     return out
 
 
@@ -337,7 +348,7 @@ def t_peers(results):
     if peers is None:
         raise Skip("bench/peers.json not found")
     big = next((c for c in cases.values() if any(r["link"] in (d.get("peers") or {}) for r in c.get("runs") or [])), None)
-    small = next((c for c in cases.values() if c is not big), None)
+    small = cases.get("38k") or next((c for c in cases.values() if c is not big), None)  # the bar is set at 38k
     if big is None or small is None or len(d.get("peers") or {}) < 2:
         raise Skip(f"{EMULATION_JSON} has no matched-link runs")
     ms = peer_rows(peers, "martonsagi/Comfy-H3-MultiStream")
@@ -399,10 +410,12 @@ def t_peers(results):
         for n in short:
             r, free = run_of(small, n, "nvlink", "bf16", chunks), run_of(small, n, "compute only", "bf16", chunks)
             wire = max(r["step_gb_in"], r["step_gb_out"]) / r["gbps"]
+            cost = {k: v["device"] if isinstance(v, dict) else v for k, v in lat.items()}
             parts.append(f"N = {n}: {f_speedup(ours[n])} against {BAR[n]:.1f}, with {f_speedup((free or {}).get('speedup'))} "
-                         f"for the compute alone. Of the {f_s(r['exposed_comm_s'])} s per step left exposed, moving the bytes at "
-                         f"{r['gbps']:g} GB/s takes {f_s(wire)} s; the rest is the transport's measured per-collective cost at "
-                         f"{n} ranks ({f_ms(lat.get(n))} ms a collective, against {f_ms(lat.get(2))} ms at 2 ranks)")
+                         f"for the compute alone; {f_s(r['exposed_comm_s'])} s per step left exposed, where moving the bytes at "
+                         f"{r['gbps']:g} GB/s takes {f_s(wire)} s in all and the {r['step_rounds']:g} rounds of a step cost "
+                         f"{f_ms(cost.get(n))} ms each ({f_s(r['step_rounds'] * cost[n]) if _num(cost.get(n)) else '—'} s, "
+                         f"against {f_ms(cost.get(2))} ms a round at 2 ranks)")
         out += ["", "Where ours falls short of the bar (EMULATED, NVLink): " + "; ".join(parts) + "."]
     return out
 
@@ -439,8 +452,25 @@ def t_shared(results):
                 "rank falls as N grows: it is not what N GPUs would each get, and the device path here copies within one GPU, "
                 "not over NVLink. The 1 KB time is the per-collective cost the emulation adds for that path. "
                 + ("No sharded output is bit-identical to the native one." if not identical else
-                   f"Bit-identical at N = {', '.join(map(str, sorted(set(identical))))}.")]
+                   f"Bit-identical at N = {', '.join(map(str, sorted(set(identical))))}.")
+                + same_output_across_paths(runs)]
     return out
+
+
+def same_output_across_paths(runs):
+    """' ...' where every data path gave the same sharded output (sha256 in the JSON) at each N and exchange."""
+    hashes = collections.defaultdict(set)
+    for r in runs:
+        for e in ("bf16", "fp8"):
+            h = ((r.get("parity") or {}).get(e) or {}).get("sha256")
+            if h:
+                hashes[r["ranks"], e].add(h)
+    paths = {r.get("data_path") for r in runs}
+    if len(paths) < 2 or not hashes:
+        return ""
+    same = sorted({n for (n, _), hs in hashes.items() if len(hs) == 1 and all(len(hashes[n, e]) == 1 for e in ("bf16", "fp8"))})
+    return (f" At N = {', '.join(map(str, same))} the {len(paths)} data paths gave bit-identical sharded outputs, bf16 and fp8 "
+            "exchange alike (the rel diffs differ where the native reference was re-run)." if same else "")
 
 
 def t_control(results):
