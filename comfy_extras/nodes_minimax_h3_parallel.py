@@ -34,13 +34,14 @@ def devices_for(max_gpus, heads):
     return [first] + others[:max(0, min(max_gpus, heads) - 1)]
 
 
-def runner_for(model, devices, fp8_exchange):
+def runner_for(model, devices, fp8_exchange, allow_custom_loader=False):
     """The SequenceParallel of ``model``'s base model on ``devices``, made on first use."""
+    call = loader_call(model, allow_custom_loader)
     base = model.model
     runners = _RUNNERS.setdefault(base, {})
     key = (tuple(str(d) for d in devices), fp8_exchange)
     if key not in runners:
-        sp = runners[key] = SequenceParallel([str(d) for d in devices], loader_call(model), fp8_exchange=fp8_exchange)
+        sp = runners[key] = SequenceParallel([str(d) for d in devices], call, fp8_exchange=fp8_exchange)
         weakref.finalize(base, sp.close)
     return runners[key]
 
@@ -54,10 +55,11 @@ def refuse_multigpu_clones(model):
 DEFAULT_ATTENTION = "ComfyUI's default"
 
 
-def attach(model, max_gpus, fp8_exchange=False, attention=DEFAULT_ATTENTION):
+def attach(model, max_gpus, fp8_exchange=False, attention=DEFAULT_ATTENTION, allow_custom_loader=False):
     """A clone of ``model`` whose H3 steps run on up to ``max_gpus`` devices (rank 0 = ComfyUI's), or ``model``
     itself where there is one device or the platform has no worker processes. ``attention``: a name registered
-    with comfy.ldm.modules.attention, run on every rank."""
+    with comfy.ldm.modules.attention, run on every rank. ``allow_custom_loader``: let the workers import and run
+    the custom node's loader the model came from (refused otherwise)."""
     diffusion = model.model.diffusion_model
     if not isinstance(diffusion, MiniMaxH3Model):
         raise ValueError(f"MiniMax H3 Sequence Parallel needs a MiniMax H3 model, got {type(diffusion).__name__}")
@@ -71,7 +73,7 @@ def attach(model, max_gpus, fp8_exchange=False, attention=DEFAULT_ATTENTION):
         m.set_model_optimized_attention(comfy.ldm.modules.attention.get_attention_function(attention))
         return m
     refuse_multigpu_clones(model)
-    sp = runner_for(model, devices, fp8_exchange)
+    sp = runner_for(model, devices, fp8_exchange, allow_custom_loader)
     m = model.clone()
     if attention != DEFAULT_ATTENTION:
         sp.use_attention(m, attention)
@@ -120,13 +122,17 @@ class MiniMaxH3SequenceParallel(io.ComfyNode):
                 io.Combo.Input("attention", options=[DEFAULT_ATTENTION, *sorted(comfy.ldm.modules.attention.REGISTERED_ATTENTION_FUNCTIONS)],
                                default=DEFAULT_ATTENTION, optional=True,
                                tooltip="The attention every GPU runs, by its registered name (ComfyUI's default: as chosen at launch)"),
+                io.Boolean.Input("allow_custom_loader", default=False, optional=True,
+                                 tooltip="The model comes from a custom node's loader: let every GPU's worker process "
+                                         "import that node's file and run its loader (ComfyUI's own loaders need no "
+                                         "permission)"),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model, max_gpus, fp8_exchange, attention=DEFAULT_ATTENTION) -> io.NodeOutput:
-        return io.NodeOutput(attach(model, max_gpus, fp8_exchange, attention))
+    def execute(cls, model, max_gpus, fp8_exchange, attention=DEFAULT_ATTENTION, allow_custom_loader=False) -> io.NodeOutput:
+        return io.NodeOutput(attach(model, max_gpus, fp8_exchange, attention, allow_custom_loader))
 
 
 class MiniMaxH3ParallelExtension(ComfyExtension):

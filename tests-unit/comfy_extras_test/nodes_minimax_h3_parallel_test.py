@@ -12,7 +12,9 @@ heads, so the two runs differ by float reassociation at most; a LoRA or another 
 the output by more than 1e-3 (asserted), so the tolerance separates right from wrong.
 """
 
+import logging
 import os
+import re
 import sys
 
 import pytest
@@ -605,9 +607,10 @@ NODE_CLASS_MAPPINGS = {"H3TestLoader": H3TestLoader, "H3TestLoaderWithoutRecord"
 """
 
 
-def test_a_model_from_a_custom_node_loader_shards_with_a_lora(workflow, tmp_path):
+def test_a_model_from_a_custom_node_loader_shards_with_a_lora_once_allowed(workflow, tmp_path, caplog):
     """A loader node of a custom node (loaded from a custom_nodes folder as ComfyUI loads one) that registers
-    a cached_patcher_init factory: the workers import its module from its file and call the factory, so the
+    a cached_patcher_init factory: refused by default, naming its file and the node's allow_custom_loader;
+    allowed, the workers import its module from its file and call the factory (logged on start), so the
     model shards, LoRA included, with the output of the workflow without the node. One that records nothing
     is refused by name before any worker starts."""
     import asyncio
@@ -620,11 +623,16 @@ def test_a_model_from_a_custom_node_loader_shards_with_a_lora(workflow, tmp_path
     loaded = nodes.NODE_CLASS_MAPPINGS["H3TestLoader"]().go(path)[0]
     w = workflow
     native = w.sample(w.lora(loaded, 0.8))
-    node = w.parallel(loaded, 2)
+    init = str(folder / "__init__.py")
+    with pytest.raises(ValueError, match=f"loaded by load of {re.escape(init)}, not by ComfyUI's own loaders.*allow_custom_loader"):
+        w.parallel(loaded, 2)
+    node = w.parallel(loaded, 2, allow_custom_loader=True)
     sp = _runner(node)
     try:
-        sharded = w.sample(w.lora(node, 0.8))
+        with caplog.at_level(logging.INFO):
+            sharded = w.sample(w.lora(node, 0.8))
         assert sp.call["qualname"] == "load" and sp.steps_run == 2 * 3
+        assert any(f"load the model with {sp.call['module']}.load ({init})" in r.getMessage() for r in caplog.records)
     finally:
         sp.close()
     assert _rel(sharded, native) <= TOL

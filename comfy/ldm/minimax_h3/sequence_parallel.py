@@ -129,10 +129,22 @@ def file_identity(path):
     return [st.st_size, st.st_mtime_ns, st.st_ino, hashlib.sha256(head + header).hexdigest()]
 
 
-def loader_call(patcher):
+# ComfyUI's own packages: a loader from one of them runs in the workers as it does in ComfyUI
+COMFYUI_PACKAGES = ("comfy", "comfy_extras", "comfy_api", "nodes")
+
+
+def is_comfyui_code(module):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(comfy.model_management.__file__)))
+    path = os.path.abspath(getattr(module, "__file__", None) or "")
+    return module.__name__.split(".")[0] in COMFYUI_PACKAGES and path.startswith(root + os.sep) and \
+        os.path.relpath(path, root).split(os.sep)[0] != "custom_nodes"
+
+
+def loader_call(patcher, allow_custom_loader=False):
     """Rank 0's base ModelPatcher -> the JSON call that builds the same base model in a worker: the factory it
     recorded (cached_patcher_init: ComfyUI's loaders record one, and so can a custom node's) and its arguments,
-    with the identity of every file among them."""
+    with the identity of every file among them. A factory outside ComfyUI's own code (a custom node's) would be
+    imported and run by every worker process: refused unless ``allow_custom_loader``."""
     init = patcher.cached_patcher_init
     if init is None:
         raise ValueError("MiniMax H3 Sequence Parallel needs a model whose loader records how to load it again "
@@ -144,6 +156,11 @@ def loader_call(patcher):
                          "import: register a module-level function as cached_patcher_init")
     if not _plain(args) or any(isinstance(a, torch.Tensor) for a in args):
         raise ValueError("the model's loader arguments are not plain data, so workers cannot load it again")
+    if not is_comfyui_code(module) and not allow_custom_loader:
+        raise ValueError(f"the model was loaded by {factory.__qualname__} of {module.__file__}, not by ComfyUI's own loaders; "
+                         "every GPU worker would import that file and run it to load the model again. Turn on "
+                         "allow_custom_loader on the MiniMax H3 Sequence Parallel node to allow it, or load the model "
+                         "with ComfyUI's loader nodes")
     return {"module": factory.__module__, "qualname": factory.__qualname__, "file": module.__file__,
             "args": StepInputs().encode(args, "loader", []), "index": init[2] if len(init) > 2 else None,
             "files": {a: file_identity(a) for a in args if isinstance(a, str) and os.path.isfile(a)}}
@@ -382,6 +399,9 @@ class SequenceParallel:
         if self.group.state not in ("idle", "closed"):
             self.group.close()
         self.synced = None
+        c = self.call
+        logging.info("MiniMax H3 sequence parallel: %d worker process(es) import %s and load the model with %s.%s (%s)",
+                    self.world_size - 1, ", ".join(self.imports), c["module"], c["qualname"], c["file"])
         self.group.start(self.devices, self.imports, comfyui=True, local_state=self._rank0, env=self.env)
         try:
             setups = [dict(s, manual_cast_dtype=None) for s in self.group.run(OP_SETUP, {"call": self.call}, timeout=SETUP_TIMEOUT).values]
