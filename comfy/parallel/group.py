@@ -259,14 +259,15 @@ class ParallelGroup:
     def _run(self, op, fn, frame, meta):
         ctx, t = self._ctx, self._transport
         ctx.op_name = op.name
+        t.begin_op(op.id, op.deadline)
         try:
             for w in self._workers:
                 channel.write(w.cmd_fd, frame, 10.0)
         except (OSError, TimeoutError) as e:
             raise self._set_fault(ParallelGroupError(f"could not send op {op.name!r} to the workers ({e})")) from e
-        t.begin_op(op.id, op.deadline)  # after the frames: it may wait for the workers (the stream path's reset)
         own, value = None, None
         try:
+            t.settle()  # after the frames: it may wait for the workers
             value = fn(ctx, meta)
         except OpAborted:
             pass

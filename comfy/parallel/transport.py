@@ -149,7 +149,11 @@ class HostTransport:
                 os.eventfd_read(self.bells[self.rank])
 
     def begin_op(self, op_id, deadline):
+        """Enter op ``op_id``; then, once every rank is told to run it, ``settle()``."""
         self.op_id, self.deadline, self.seq = op_id, deadline, 0
+
+    def settle(self):
+        """The stream path after an aborted op: waits for every rank (each calls it at the start of its op)."""
         if self.stream_path is not None and self._words[ABORT] != self._aborts_seen:
             # an op was aborted since the last one: every rank's stream drained, then every flag zero
             self._aborts_seen = self._words[ABORT]

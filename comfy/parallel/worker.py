@@ -90,6 +90,7 @@ class Worker:
         ctx.op_name = name
         t.begin_op(op_id, time.monotonic() + body["timeout"])
         try:
+            t.settle()
             value = ops.get_op(name)(ctx, body["meta"])
             channel.encode("result", {"value": value})  # JSON, or the op fails here
             return {"id": op_id, "status": "ok", "value": value}
