@@ -29,8 +29,13 @@ def random_weights(model, gen):
     return out
 
 
-def test_fp8_weight_storage_computes_as_its_upcast_weights():
-    # UNETLoader's fp8_e4m3fn weight dtype: weights stored in fp8 (the q/k norms too), computed in fp32
+def test_fp8_weight_storage_computes_as_its_upcast_weights(monkeypatch):
+    # UNETLoader's fp8_e4m3fn weight dtype: weights stored in fp8 (the q/k norms too), computed in fp32.
+    # comfy.ops' weight and bias function lists are class attributes every layer shares; one test of upstream's
+    # tests-unit (comfy_quant's test_weight_function_compatibility) appends a random LoRA to them, so this test
+    # starts from empty ones of its own
+    monkeypatch.setattr(comfy.ops.CastWeightBiasOp, "weight_function", [])
+    monkeypatch.setattr(comfy.ops.CastWeightBiasOp, "bias_function", [])
     gen = torch.Generator("cpu").manual_seed(7)
     fp8, upcast = tiny_model(torch.float8_e4m3fn), tiny_model(torch.float32)
     fp8.load_state_dict(random_weights(fp8, gen))
