@@ -39,7 +39,7 @@ OP_CONTROL = "bench.h3_control"
 @register_op(OP_PARITY)
 def parity(ctx, meta):
     """Every rank builds the same seeded model; rank 0 runs it natively too -> max rel diff per exchange."""
-    from comfy.ldm.minimax_h3.ulysses import UlyssesParallel
+    from comfy.ldm.minimax.ulysses import UlyssesParallel
     model = build(meta["layers"], ctx.device)
     args, tokens = inputs(meta["case"], model, ctx.device)
     native = model._forward(*args, {}) if ctx.rank == 0 else None
@@ -101,8 +101,8 @@ def control(ctx, meta):
     sharded, and the sharded-vs-native difference with the tower."""
     import comfy.ops
     from comfy.ldm.minimax.controlnet import MiniMaxH3FunControl
-    from comfy.ldm.minimax_h3.sequence_parallel import patched_blocks
-    from comfy.ldm.minimax_h3.ulysses import UlyssesParallel
+    from comfy.ldm.minimax.sequence_parallel import patched_blocks
+    from comfy.ldm.minimax.ulysses import UlyssesParallel
     from h3_real_checkpoint import random_value
     from h3_sp_emulation import init_random_
     model = build(meta["layers"], ctx.device)

@@ -2,7 +2,7 @@
 
 Rank 0's share of one denoising step runs for real: the patched tree's MiniMaxH3Model._forward at
 H3's real width (hidden 5376, 56 heads of 128), random bf16 weights, on its S/N rows and its head
-share, through comfy/ldm/minimax_h3/ulysses.py exactly as shipped (head chunks, fp8 exchange). Only
+share, through comfy/ldm/minimax/ulysses.py exactly as shipped (head chunks, fp8 exchange). Only
 the transport is replaced: each all-to-all waits for what the compute stream queued before it,
 copies the bytes the real one would deliver into this rank's receive buffers (device copies), and
 spins until the time the link takes for them has passed: the larger of the bytes sent and received
@@ -202,7 +202,7 @@ def main():
         measured = {(r.get("data_path", "host"), r["ranks"]): next(link["s_per_call"] for link in r["link"] if link["mb_per_pair"] == 0.001)
                     for r in json.load(f)["runs"] if r["link"]}
     sys.path.insert(0, os.getcwd())
-    from comfy.ldm.minimax_h3.ulysses import UlyssesParallel
+    from comfy.ldm.minimax.ulysses import UlyssesParallel
     torch.backends.cuda.matmul.allow_tf32 = True
     model = build(a.layers)
     result = {"emulated": True, "what": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -16,7 +16,7 @@ import comfy.model_management
 import comfy.patcher_extension
 import comfy.sampler_helpers
 from comfy.ldm.minimax.model import MiniMaxH3Model
-from comfy.ldm.minimax_h3.sequence_parallel import SequenceParallel, loader_call
+from comfy.ldm.minimax.sequence_parallel import SequenceParallel, loader_call
 from comfy_api.latest import ComfyExtension, io
 
 KEY = "minimax_h3_sequence_parallel"

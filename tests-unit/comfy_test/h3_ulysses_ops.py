@@ -2,7 +2,7 @@
 the workers import it by name)."""
 
 import minimax_h3_cases as cases
-from comfy.ldm.minimax_h3.ulysses import UlyssesParallel
+from comfy.ldm.minimax.ulysses import UlyssesParallel
 from comfy.parallel import register_op
 
 OP = "minimax_h3_test.cases"

@@ -173,7 +173,7 @@ sys.platform = {platform!r}
 failed = []
 logging.warning = lambda msg, *a: failed.append(msg % a if a else msg)
 asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
-import comfy.parallel, comfy.ldm.minimax_h3.sequence_parallel
+import comfy.parallel, comfy.ldm.minimax.sequence_parallel
 print("ours:", "MiniMaxH3SequenceParallel" in nodes.NODE_CLASS_MAPPINGS)
 print("failed:", [m for m in failed if "minimax_h3_parallel" in m])
 try:

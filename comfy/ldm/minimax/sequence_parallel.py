@@ -318,7 +318,7 @@ class SequenceParallel:
         self.call = call
         self.chunks, self.fp8_exchange = chunks, fp8_exchange
         # this module registers the ops; the others are the code every rank runs for a sharded step
-        self.imports, self.env = [__name__, "comfy.ldm.minimax_h3.ulysses", "comfy.ldm.minimax.plan", "comfy.ldm.minimax.model", *imports], env
+        self.imports, self.env = [__name__, "comfy.ldm.minimax.ulysses", "comfy.ldm.minimax.plan", "comfy.ldm.minimax.model", *imports], env
         self.group = ParallelGroup(name, timeouts=timeouts)
         self.synced = None  # the PatchSnapshot every rank holds
         self.last_sent = None  # describe() of the last update sync() sent; None when it sent nothing
