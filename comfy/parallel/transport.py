@@ -300,8 +300,7 @@ class HostTransport:
                 self._streams[i].synchronize()
 
     def close(self):
-        self._words[ABORT] = 1 << 62  # a collective still waiting for a peer (gone, or never coming) leaves it
-        self._ring((self.rank,))
+        self.abort(1 << 62)  # a collective still waiting for a peer (gone, or never coming) leaves it
         self._queue.put(None)
         self._thread.join()
         if self.stream_path is not None:

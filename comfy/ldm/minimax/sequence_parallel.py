@@ -129,15 +129,9 @@ def file_identity(path):
     return [st.st_size, st.st_mtime_ns, st.st_ino, hashlib.sha256(head + header).hexdigest()]
 
 
-# ComfyUI's own packages: a loader from one of them runs in the workers as it does in ComfyUI
+# ComfyUI's own packages: a loader from one of them runs in the workers as it does in ComfyUI (ComfyUI names a
+# custom node's module by its file's path, which is none of these)
 COMFYUI_PACKAGES = ("comfy", "comfy_extras", "comfy_api", "nodes")
-
-
-def is_comfyui_code(module):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(comfy.model_management.__file__)))
-    path = os.path.abspath(getattr(module, "__file__", None) or "")
-    return module.__name__.split(".")[0] in COMFYUI_PACKAGES and path.startswith(root + os.sep) and \
-        os.path.relpath(path, root).split(os.sep)[0] != "custom_nodes"
 
 
 def loader_call(patcher, allow_custom_loader=False):
@@ -156,7 +150,7 @@ def loader_call(patcher, allow_custom_loader=False):
                          "import: register a module-level function as cached_patcher_init")
     if not _plain(args) or any(isinstance(a, torch.Tensor) for a in args):
         raise ValueError("the model's loader arguments are not plain data, so workers cannot load it again")
-    if not is_comfyui_code(module) and not allow_custom_loader:
+    if factory.__module__.split(".")[0] not in COMFYUI_PACKAGES and not allow_custom_loader:
         raise ValueError(f"the model was loaded by {factory.__qualname__} of {module.__file__}, not by ComfyUI's own loaders; "
                          "every GPU worker would import that file and run it to load the model again. Turn on "
                          "allow_custom_loader on the MiniMax H3 Sequence Parallel node to allow it, or load the model "
