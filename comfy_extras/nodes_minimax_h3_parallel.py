@@ -1,15 +1,14 @@
 """MiniMax H3 Sequence Parallel: run an H3 model's denoising steps sharded over several GPUs.
 
-The node attaches a SequenceParallel runner to a clone of the model. Workers belong to the base
-model and the GPUs: they start, and load the checkpoint, while rank 0 loads its own copy
+The node attaches a SequenceParallel runner to a clone of the model. Its workers start, and load the checkpoint, while rank 0 loads its own copy
 (PREPARE_SAMPLING); every rank holds the patch state of the patcher that samples (any LoRA loaders
-downstream included) before the first step (ON_PRE_RUN); new seeds and LoRA edits reuse them. They
-end when ComfyUI unloads the model or frees it.
+downstream included) before the first step (ON_PRE_RUN); new seeds and LoRA edits reuse them. When
+ComfyUI unloads the model, each worker unloads its own as ComfyUI does and stays for the next run; the
+workers end with the model the node returned (when ComfyUI frees it or runs the node again).
 """
 
 import logging
 import sys
-import weakref
 
 import comfy.ldm.modules.attention
 import comfy.model_management
@@ -20,9 +19,6 @@ from comfy.ldm.minimax.sequence_parallel import SequenceParallel, loader_call
 from comfy_api.latest import ComfyExtension, io
 
 KEY = "minimax_h3_sequence_parallel"
-# base model (shared by every clone of it) -> {(devices, fp8 exchange): SequenceParallel}: the workers
-# are to a base model what ComfyUI's loaded models are to a checkpoint, and end with it
-_RUNNERS = weakref.WeakKeyDictionary()
 
 
 def devices_for(max_gpus, heads):
@@ -32,18 +28,6 @@ def devices_for(max_gpus, heads):
     if first in others:
         others.remove(first)
     return [first] + others[:max(0, min(max_gpus, heads) - 1)]
-
-
-def runner_for(model, devices, fp8_exchange, allow_custom_loader=False):
-    """The SequenceParallel of ``model``'s base model on ``devices``, made on first use."""
-    call = loader_call(model, allow_custom_loader)
-    base = model.model
-    runners = _RUNNERS.setdefault(base, {})
-    key = (tuple(str(d) for d in devices), fp8_exchange)
-    if key not in runners:
-        sp = runners[key] = SequenceParallel([str(d) for d in devices], call, fp8_exchange=fp8_exchange)
-        weakref.finalize(base, sp.close)
-    return runners[key]
 
 
 def refuse_multigpu_clones(model):
@@ -73,7 +57,7 @@ def attach(model, max_gpus, fp8_exchange=False, attention=DEFAULT_ATTENTION, all
         m.set_model_optimized_attention(comfy.ldm.modules.attention.get_attention_function(attention))
         return m
     refuse_multigpu_clones(model)
-    sp = runner_for(model, devices, fp8_exchange, allow_custom_loader)
+    sp = SequenceParallel([str(d) for d in devices], loader_call(model, allow_custom_loader), fp8_exchange=fp8_exchange)
     m = model.clone()
     if attention != DEFAULT_ATTENTION:
         sp.use_attention(m, attention)
@@ -91,9 +75,8 @@ def attach(model, max_gpus, fp8_exchange=False, attention=DEFAULT_ATTENTION, all
 
     def on_detach(patcher, unpatch_all):
         # a clone replacing another (new seed, LoRA edit) detaches without unpatch_all; an unload unpatches
-        if unpatch_all and sp.group.state != "idle":
-            logging.info("MiniMax H3 sequence parallel: model unloaded, closing %d worker(s)", len(devices) - 1)
-            sp.close()
+        if unpatch_all:
+            sp.unload()
 
     m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY, prepare_sampling)
     m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY, sp)

@@ -16,6 +16,8 @@ import logging
 import os
 import re
 import sys
+import time
+import weakref
 
 import pytest
 import torch
@@ -110,8 +112,17 @@ def workflow(tmp_path, monkeypatch):
     monkeypatch.setattr(comfy.model_management, "get_all_torch_devices", lambda exclude_current=False: [cpu] * 3)
     write_h3_file(str(tmp_path / "diffusion_models" / "h3_fp32.safetensors"), TINY_CONFIG, seed=2)
     save_file(lora_state_dict(TINY_CONFIG), str(tmp_path / "loras" / "lora.safetensors"))
-    yield Workflow(tmp_path)
+    w = Workflow(tmp_path)
+    made, real = weakref.WeakSet(), w.sp_node.SequenceParallel
+
+    def runner(*args, **kwargs):
+        made.add(sp := real(*args, **kwargs))
+        return sp
+    monkeypatch.setattr(w.sp_node, "SequenceParallel", runner)
+    yield w
     comfy.model_management.unload_all_models()
+    for sp in list(made):  # a failed test may keep its model (and so its workers) alive in its traceback
+        sp.close()
 
 
 def _formats(w):
@@ -260,9 +271,10 @@ def test_bad_inputs_fail_as_on_one_process_and_leave_the_group_ready(workflow):
         sp.close()
 
 
-def test_sampling_again_and_lora_edits_reuse_the_workers_and_unload_ends_them(workflow):
+def test_sampling_again_and_lora_edits_reuse_the_workers_an_unload_keeps_them_and_freeing_the_model_ends_them(workflow):
     w = workflow
-    node = w.parallel(w.unet("h3_fp32.safetensors"), 3)
+    base = w.unet("h3_fp32.safetensors")
+    node = w.parallel(base, 3)
     sp = _runner(node)
     lora = w.lora(node, 0.8)
     w.step(lora, seed=0)
@@ -277,8 +289,22 @@ def test_sampling_again_and_lora_edits_reuse_the_workers_and_unload_ends_them(wo
     assert sp.last_sent["kind"] == "delta" and sp.last_sent["removed"] == LORA_KEYS and sp.group.worker_pids() == pids
     # the node ran once: a rerun of the workflow with another LoRA reuses the same runner
     assert _runner(w.lora(node, 0.3)) is sp
+    # ComfyUI's unload: every worker unloads its model as ComfyUI does, and stays
+    held = []
+    real_run = sp.group.run
+    sp.group.run = lambda *a, **kw: held.append(real_run(*a, **kw)) or held[-1]
     comfy.model_management.unload_all_models()
-    assert sp.group.state == "closed" and sp.group.worker_pids() == {}
+    del sp.group.run
+    assert [r.values[1:] for r in held] == [[0, 0]] and sp.group.state == "ready" and sp.group.worker_pids() == pids
+    assert _rel(w.step(w.lora(node, 0.8)), w.step(w.lora(base, 0.8))) <= TOL  # loaded again for the next run
+    assert sp.group.worker_pids() == pids
+    # the model the node returned is freed (ComfyUI's cache drops it): its workers end, on a thread of their own
+    group = sp.group
+    del node, lora, sp
+    end = time.monotonic() + 60
+    while group.state != "closed" and time.monotonic() < end:
+        time.sleep(0.05)
+    assert group.state == "closed" and group.worker_pids() == {}
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -140,23 +140,28 @@ def test_a_malformed_reply_breaks_the_group_naming_the_worker(raw, why):
 
 
 RANK0 = """
-import sys, time
+import sys
 sys.path[:0] = {path!r}
 from comfy.parallel import ParallelGroup
 g = ParallelGroup("orphans")
 g.start(["cpu"] * 3, ["parallel_ops_for_tests"])
 print(" ".join(map(str, g.worker_pids().values())), flush=True)
-time.sleep(600)
+sys.stdin.readline()  # then the interpreter exits with the group still open: no exit hook closes it
 """
 
 
-def test_workers_exit_when_rank0_is_killed():
-    proc = subprocess.Popen([sys.executable, "-c", RANK0.format(path=sys.path)], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("end", ["killed", "exits"])
+def test_workers_exit_when_rank0_is_killed_or_exits_without_closing_its_group(end):
+    proc = subprocess.Popen([sys.executable, "-c", RANK0.format(path=sys.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2
-        proc.kill()
-        proc.wait()
+        if end == "killed":
+            proc.kill()
+        else:
+            proc.stdin.close()
+        assert proc.wait(timeout=30) == (-signal.SIGKILL if end == "killed" else 0)
         assert wait_until(lambda: all(pid_gone(p) for p in pids), 5.0 + MARGIN) is not None
     finally:
         proc.kill()

@@ -33,6 +33,7 @@ from .ulysses import UlyssesParallel
 OP_SETUP = "minimax_h3.setup"
 OP_FORWARD = "minimax_h3.forward"
 OP_PATCHES = "minimax_h3.patches"
+OP_UNLOAD = "minimax_h3.unload"
 SEQUENCE_PARALLEL = "minimax_h3_sequence_parallel"
 TENSOR = "__tensor__"
 DTYPE = "__dtype__"
@@ -221,6 +222,14 @@ def patches_op(ctx, meta):
     return {"version": ctx.state["patch_version"]}
 
 
+@register_op(OP_UNLOAD)
+def unload_op(ctx, meta):
+    """Rank 0's model was unloaded: each worker unloads its own as ComfyUI does -> bytes it still holds on its device."""
+    if ctx.rank:
+        comfy.model_management.unload_all_models()
+        return ctx.state["patcher"].loaded_size()
+
+
 @register_op(OP_FORWARD)
 def forward_op(ctx, meta):
     """This rank's rows of one step; every rank ends with the full output, rank 0 returns it."""
@@ -296,6 +305,11 @@ def patched_blocks(sp, replace, blocks):
     return dict(replace, dit={key: patched(patch) for key, patch in dit.items()})
 
 
+def _close_soon(group):
+    if group.state not in ("idle", "closed"):
+        threading.Thread(target=group.close, name=f"{group.name}-close", daemon=True).start()
+
+
 class SequenceParallel:
     """Rank 0's handle on the ranks running one H3 base model; see the module docstring.
 
@@ -322,6 +336,9 @@ class SequenceParallel:
         self._rank0 = {}  # rank 0's ctx.state: no reference to a ModelPatcher, which would keep the base model alive
         self._starting = None  # (thread, outcome) of start_workers() until prepare() joins it
         self._attention = weakref.WeakKeyDictionary()  # the overrides use_attention set -> their registered name
+        # the workers end with this runner (the model the node returned, and its clones), on whichever thread drops
+        # it, without blocking that thread; nothing runs at interpreter exit (workers exit with rank 0)
+        weakref.finalize(self, _close_soon, self.group).atexit = False
 
     @property
     def world_size(self):
@@ -494,6 +511,16 @@ class SequenceParallel:
                 self._rank0.pop(key, None)
         self.steps_run += 1
         return result.values[0]
+
+    def unload(self):
+        """ComfyUI unloaded rank 0's model: the workers unload theirs (to ComfyUI's offload device) and stay; the next
+        sampling run loads them again, as it does rank 0's. A broken group is closed instead."""
+        if self.group.state == "broken":
+            self.close()
+        elif self.group.state == "ready":
+            held = self.group.run(OP_UNLOAD).values[1:]
+            logging.info("MiniMax H3 sequence parallel: model unloaded; %d worker(s) unloaded theirs (%s bytes left on their "
+                         "devices) and stay", len(held), held)
 
     def close(self):
         try:
