@@ -7,6 +7,7 @@ ComfyUI unloads the model, each worker unloads its own as ComfyUI does and stays
 workers end with the model the node returned (when ComfyUI frees it or runs the node again).
 """
 
+import copy
 import logging
 import sys
 
@@ -14,8 +15,10 @@ import comfy.ldm.modules.attention
 import comfy.model_management
 import comfy.patcher_extension
 import comfy.sampler_helpers
+from comfy.ldm.minimax import vae_parallel
 from comfy.ldm.minimax.model import MiniMaxH3Model
 from comfy.ldm.minimax.sequence_parallel import SequenceParallel, loader_call
+from comfy.ldm.minimax.vae import MiniMaxH3VideoVAE
 from comfy_api.latest import ComfyExtension, io
 
 KEY = "minimax_h3_sequence_parallel"
@@ -118,9 +121,60 @@ class MiniMaxH3SequenceParallel(io.ComfyNode):
         return io.NodeOutput(attach(model, max_gpus, fp8_exchange, attention, allow_custom_loader))
 
 
+class DecodeOverGroup:
+    """The ``first_stage_model`` of the VAE MiniMaxH3SequenceParallelVAE returns: ``decode`` over the ranks of a
+    sequence-parallel model while they run (comfy.ldm.minimax.vae_parallel), everything else H3's VAE itself."""
+
+    def __init__(self, vae, sp, call):
+        self._vae, self._model, self._sp, self._call = vae, vae.first_stage_model, sp, call
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def decode(self, z, output_buffer=None):
+        if self._sp.group.state != "ready":
+            logging.info("MiniMax H3 sequence-parallel VAE: the model's GPU workers are not running (no step sampled "
+                         "with it yet), decoding on one GPU")
+            return self._model.decode(z, output_buffer=output_buffer)
+        return vae_parallel.decode(self._sp, self._call, self._model, z, output_buffer,
+                                   self._vae.memory_used_decode(z.shape, z.dtype))
+
+
+class MiniMaxH3SequenceParallelVAE(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MiniMaxH3SequenceParallelVAE",
+            display_name="MiniMax H3 Sequence Parallel VAE",
+            category="model/patch/minimax",
+            description="Decode MiniMax H3 video on every GPU of a MiniMax H3 Sequence Parallel model: its tiles and "
+                        "temporal chunks are shared out, the result is ComfyUI's decode. Place it in front of VAE Decode.",
+            inputs=[
+                io.Vae.Input("vae"),
+                io.Model.Input("model", tooltip="The MODEL output of MiniMax H3 Sequence Parallel: its GPUs decode"),
+                io.Boolean.Input("allow_custom_loader", default=False, optional=True,
+                                 tooltip="The VAE comes from a custom node's loader: let every GPU's worker process "
+                                         "import that node's file and run its loader"),
+            ],
+            outputs=[io.Vae.Output()],
+        )
+
+    @classmethod
+    def execute(cls, vae, model, allow_custom_loader=False) -> io.NodeOutput:
+        if not isinstance(vae.first_stage_model, MiniMaxH3VideoVAE):
+            raise ValueError(f"MiniMax H3 Sequence Parallel VAE needs MiniMax H3's video VAE, got {type(vae.first_stage_model).__name__}")
+        runners = [w for w in model.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY) if isinstance(w, SequenceParallel)]
+        if not runners:
+            logging.info("MiniMax H3 Sequence Parallel VAE: the model runs on one GPU, so does the decode")
+            return io.NodeOutput(vae)
+        out = copy.copy(vae)
+        out.first_stage_model = DecodeOverGroup(vae, runners[0], loader_call(vae.patcher, allow_custom_loader))
+        return io.NodeOutput(out)
+
+
 class MiniMaxH3ParallelExtension(ComfyExtension):
     async def get_node_list(self):
-        return [MiniMaxH3SequenceParallel]
+        return [MiniMaxH3SequenceParallel, MiniMaxH3SequenceParallelVAE]
 
 
 async def comfy_entrypoint() -> MiniMaxH3ParallelExtension:

@@ -230,7 +230,8 @@ class HostTransport:
             try:
                 if self.aborted():
                     raise OpAborted(f"op {self.op_id} was aborted")
-                self._run(work)
+                with torch.inference_mode():  # it writes tensors ComfyUI made in inference mode (and others)
+                    self._run(work)
             except BaseException as e:
                 work.error = e
                 self._sync()  # no copy of a failed collective is left in flight

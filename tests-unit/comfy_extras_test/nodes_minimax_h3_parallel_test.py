@@ -62,6 +62,9 @@ class Workflow:
     def parallel(self, model, gpus, fp8_exchange=False, **kw):
         return self.sp_node.MiniMaxH3SequenceParallel.execute(model, gpus, fp8_exchange, **kw).result[0]
 
+    def vae(self, vae, model, **kw):
+        return self.sp_node.MiniMaxH3SequenceParallelVAE.execute(vae, model, **kw).result[0]
+
     def compute_dtype(self, model, dtype):
         return self.advanced.ModelComputeDtype().patch(model, dtype)[0]
 
@@ -113,12 +116,13 @@ def workflow(tmp_path, monkeypatch):
     write_h3_file(str(tmp_path / "diffusion_models" / "h3_fp32.safetensors"), TINY_CONFIG, seed=2)
     save_file(lora_state_dict(TINY_CONFIG), str(tmp_path / "loras" / "lora.safetensors"))
     w = Workflow(tmp_path)
-    made, real = weakref.WeakSet(), w.sp_node.SequenceParallel
+    made = weakref.WeakSet()
 
-    def runner(*args, **kwargs):
-        made.add(sp := real(*args, **kwargs))
-        return sp
-    monkeypatch.setattr(w.sp_node, "SequenceParallel", runner)
+    class Recorded(w.sp_node.SequenceParallel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.add(self)
+    monkeypatch.setattr(w.sp_node, "SequenceParallel", Recorded)
     yield w
     comfy.model_management.unload_all_models()
     for sp in list(made):  # a failed test may keep its model (and so its workers) alive in its traceback
@@ -709,3 +713,37 @@ def test_workers_that_load_and_merge_longer_than_any_fixed_bound_are_waited_for_
         assert time.monotonic() - stopped[0] < 5 + 10
     finally:
         sp.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_vae_decode_shared_out_over_the_ranks_equals_comfyuis_decode(workflow, world, tmp_path, caplog):
+    """ComfyUI's VAE decode (a small H3 video VAE: 2 temporal chunks of 2 x 2 tiles) against the node's VAE, whose
+    tiles the sequence-parallel model's ranks decode, in inference mode as ComfyUI runs nodes: bit-identical on
+    CPU ranks. Refused first (the VAE comes from a test module's loader), then allowed."""
+    from comfy_extras_test import h3_vae_for_tests as small_vae
+    w = workflow
+    path = str(tmp_path / "h3_vae.safetensors")
+    small_vae.write_file(path)
+    vae = small_vae.load(path)
+    z = torch.randn(1, 24, 12, 20, 20, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():  # as ComfyUI runs its nodes
+        want = vae.decode(z)
+    node = w.parallel(w.unet("h3_fp32.safetensors"), world)
+    sp = _runner(node)
+    with pytest.raises(ValueError, match="allow_custom_loader"):
+        w.vae(vae, node)
+    sharded = w.vae(vae, node, allow_custom_loader=True)
+    with caplog.at_level(logging.INFO), torch.inference_mode():
+        assert torch.equal(sharded.decode(z), want)  # the workers are not up yet: rank 0 decodes alone
+    assert "decoding on one GPU" in caplog.text
+    w.step(node)
+    runs = []
+    real_run = sp.group.run
+    sp.group.run = lambda *a, **kw: runs.append(real_run(*a, **kw)) or runs[-1]
+    with torch.inference_mode():
+        got = sharded.decode(z)
+    del sp.group.run
+    tiles = runs[0].values[1:]
+    assert tiles == [len(range(r, 8, world)) for r in range(1, world)]  # of the 8 tiles, call k on rank k % world
+    assert torch.equal(got, want)  # the same decoder calls on the same inputs, blended by the same code
+    assert _rel(w.step(node), w.step(w.unet("h3_fp32.safetensors"))) <= TOL  # the DiT after the decode

@@ -175,6 +175,15 @@ def loader(call):
     return functools.reduce(getattr, call["qualname"].split("."), module)
 
 
+def build(call):
+    """A worker's copy of the ModelPatcher whose ``loader_call`` rank 0 sent."""
+    for path, identity in call["files"].items():
+        if file_identity(path) != identity:
+            raise ValueError(f"{path} changed on disk since rank 0 loaded it; load the model again in ComfyUI")
+    out = loader(call)(*decode(call["args"], {}))
+    return out if call["index"] is None else out[call["index"]]
+
+
 def describe(patcher):
     """What every rank must agree on once its model is built."""
     return {"model_dtype": str(patcher.model_dtype()), "manual_cast_dtype": str(patcher.model.manual_cast_dtype),
@@ -192,12 +201,7 @@ def load(patcher, memory_required):
 def setup_op(ctx, meta):
     """Workers build rank 0's base model with rank 0's loader call; every rank answers with describe()."""
     if ctx.rank:
-        call = meta["call"]
-        for path, identity in call["files"].items():
-            if file_identity(path) != identity:
-                raise ValueError(f"{path} changed on disk since rank 0 loaded it; load the model again in ComfyUI")
-        out = loader(call)(*decode(call["args"], {}))
-        base = out if call["index"] is None else out[call["index"]]
+        base = build(meta["call"])
         ctx.state.update(base=base, patcher=base, snapshot=snapshots.PatchSnapshot.empty(), describe=describe(base), inputs={})
         ctx.state["patch_version"] = list(ctx.state["snapshot"].version)
     return ctx.state["describe"]
@@ -325,8 +329,8 @@ class SequenceParallel:
         self.devices = list(devices)
         self.call = call
         self.chunks, self.fp8_exchange = chunks, fp8_exchange
-        # this module registers the ops; the others are the code every rank runs for a sharded step
-        self.imports, self.env = [__name__, "comfy.ldm.minimax.ulysses", "comfy.ldm.minimax.plan", "comfy.ldm.minimax.model", *imports], env
+        # these two modules register the ops; the others are the code every rank runs for a sharded step
+        self.imports, self.env = [__name__, "comfy.ldm.minimax.vae_parallel", "comfy.ldm.minimax.ulysses", "comfy.ldm.minimax.plan", "comfy.ldm.minimax.model", *imports], env
         self.group = ParallelGroup(name, timeouts=timeouts)
         self.synced = None  # the PatchSnapshot every rank holds
         self.last_sent = None  # describe() of the last update sync() sent; None when it sent nothing
