@@ -133,8 +133,8 @@ class DecodeOverGroup:
 
     def decode(self, z, output_buffer=None):
         if self._sp.group.state != "ready":
-            logging.info("MiniMax H3 sequence-parallel VAE: the model's GPU workers are not running (no step sampled "
-                         "with it yet), decoding on one GPU")
+            logging.info("MiniMax H3 sequence-parallel VAE: the model's GPU workers are %s (they start when the model "
+                         "samples), decoding on one GPU", self._sp.group.state)
             return self._model.decode(z, output_buffer=output_buffer)
         return vae_parallel.decode(self._sp, self._call, self._model, z, output_buffer,
                                    self._vae.memory_used_decode(z.shape, z.dtype))

@@ -747,3 +747,35 @@ def test_the_vae_decode_shared_out_over_the_ranks_equals_comfyuis_decode(workflo
     assert tiles == [len(range(r, 8, world)) for r in range(1, world)]  # of the 8 tiles, call k on rank k % world
     assert torch.equal(got, want)  # the same decoder calls on the same inputs, blended by the same code
     assert _rel(w.step(node), w.step(w.unet("h3_fp32.safetensors"))) <= TOL  # the DiT after the decode
+
+
+def test_a_worker_killed_during_the_vae_decode_is_named_and_the_next_decode_runs_on_rank0(workflow, tmp_path, monkeypatch, caplog):
+    import signal
+
+    from comfy.ldm.minimax.vae import MiniMaxH3VideoVAE
+    from comfy.parallel import ParallelGroupError
+    from comfy_extras_test import h3_vae_for_tests as small_vae
+    w = workflow
+    path = str(tmp_path / "h3_vae.safetensors")
+    small_vae.write_file(path)
+    vae = small_vae.load(path)
+    z = torch.randn(1, 24, 12, 20, 20, generator=torch.Generator().manual_seed(4))
+    node = w.parallel(w.unet("h3_fp32.safetensors"), 2)
+    sp = _runner(node)
+    sharded = w.vae(vae, node, allow_custom_loader=True)
+    w.step(node)
+    pid = sp.group.worker_pids()[1]
+    real = MiniMaxH3VideoVAE._decode_pixels
+
+    def kill_then_decode(self, tile):  # rank 0's first tile: its peer dies before sending its own
+        os.kill(pid, signal.SIGKILL)
+        monkeypatch.setattr(MiniMaxH3VideoVAE, "_decode_pixels", real)
+        return real(self, tile)
+    monkeypatch.setattr(MiniMaxH3VideoVAE, "_decode_pixels", kill_then_decode)
+    with torch.inference_mode():
+        with pytest.raises(ParallelGroupError, match=f"worker rank 1 \\(pid {pid}, cpu\\) was killed by SIGKILL during op 'minimax_h3.vae_decode'"):
+            sharded.decode(z)
+        assert sp.group.state == "broken"
+        with caplog.at_level(logging.INFO):
+            assert torch.equal(sharded.decode(z), vae.decode(z))
+    assert "decoding on one GPU" in caplog.text
