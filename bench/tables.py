@@ -38,6 +38,10 @@ GPU_TEST_LOG = "h3_gpu_test.log"
 SEAM_CUDA_JSON = "h3_h100_seam_cuda.json"
 INPROCESS_JSON = "h3_h200_inprocess.json"
 INPROCESS_RR_JSON = "h3_h200_inprocess_round_robin.json"
+VAE_JSON = "h3_gpu_vae.json"
+# the video sizes of bench/h3_vae_shared_gpu.py as the emulation's cases (the same latents)
+VAE_CASES = {"832x480x121": "15k", "1344x768x243": "75k"}
+E2E_STEPS = 30
 
 # The speed-ups the project set itself as its bar: 38k tokens, NVLink, bf16 exchange.
 BAR = {2: 1.9, 4: 3.7, 8: 7.0}
@@ -78,6 +82,9 @@ INDEX = (
                         "--switch-intervals 0.0005,0.05`",
      "The same again (a second run), plus one thread driving all N ranks in turn, the threads' CPU time and other GIL "
      "switch intervals: is it the GIL?"),
+    ("h3_gpu_vae*.json", f"`h3_vae_shared_gpu.py` in the patched tree ({DEVICE}, section `vae`)",
+     "Does H3's VAE decode shared out over N ranks give ComfyUI's decode at real size, at what GPU memory per rank, "
+     "and what would the whole workflow (steps + decode) gain on N GPUs (EMULATED)?"),
     ("logs/*.log", "the command, commit and machine on each log's first line (`scripts/test.sh`, `bench/device/run.sh`)",
      "The runs that write no JSON: the one-process test run, the slow test tier, the data path's GPU tests, failures found on the GPU"),
     ("patch_check*.json", "`patches/check`", "Does the series apply to the base, pass our tests there, and regress none of ComfyUI's?"),
@@ -555,6 +562,55 @@ def t_users(results):
     return out
 
 
+# ---------------------------------------------------------------- the VAE decode over the group
+
+def t_vae(results):
+    if load(results, VAE_JSON) is None:
+        return []  # not run yet on a GPU (the CPU test stands for it)
+    d, runs = need(results, VAE_JSON, "runs")
+    rows, e2e = [], []
+    try:
+        _, cases, chunks = emulation(results)
+        em = load(results, EMULATION_JSON)
+    except Skip:
+        cases, chunks, em = {}, None, {}
+    links = sorted({k for r in runs for s in r["sharded"] for k in s["emulated_decode_s"]})
+    for r in runs:
+        one = r["one_process"]
+        for s in r["sharded"]:
+            rows.append([r["case"], f_int(r["tiles"]), s["ranks"], s.get("data_path", "—"), f_s(one["decode_s"]),
+                         f_s(s["decode_s_shared_gpu"]), yes(s["bit_identical"]), f_sci(s["max_abs_diff"]),
+                         f_int(one["peak_mib"]), " / ".join(f_int(m) for m in s["peak_mib_per_rank"]),
+                         *[f_speedup(s["emulated_speedup"][k]) for k in links]])
+            case = cases.get(VAE_CASES.get(r["case"]), {})
+            native = (case.get("native") or {}).get("step_s")
+            for k in links:
+                link = next((lk for lk, name in LINK_NAMES.items() if name.endswith(k)), None)
+                step = run_of(case, s["ranks"], link, "bf16", chunks) if link else None
+                if native and step:
+                    t1 = E2E_STEPS * native + one["decode_s"]
+                    tn = E2E_STEPS * step["step_s"] + s["emulated_decode_s"][k]
+                    e2e.append([r["case"], s["ranks"], k, f_speedup(step["speedup"]), f_speedup(t1 / tn),
+                                f_speedup(t1 / (E2E_STEPS * step["step_s"] + one["decode_s"]))])
+    out = [caption(f"H3's VAE decode over N ranks sharing one {card(d)}, through the node and ComfyUI's VAELoader, against "
+                   "ComfyUI's decode in one process.", VAE_JSON, machine(d) + (f"; code: commit {d['commit']}" if d.get("commit") else ""),
+                   "Real-size H3 video VAE (upstream's MiniMaxH3VideoVAE, seeded random fp16 weights); the tiles are the "
+                   "VAE's own (temporal chunks x 256-pixel tiles). Decode s: wall time on the shared GPU (no speed-up: the "
+                   "ranks share its compute). Peak GPU MiB per process from nvidia-smi. EMULATED speed-up on N separate GPUs: "
+                   "the one-process decoder-call time x ceil(tiles / N) / tiles, plus the rest of the one-process decode "
+                   "(blending, the copy to host: rank 0's alone), plus the tiles the workers send to rank 0 at the link named."), ""]
+    out += table(["video", "tiles", "N", "data path", "one process s", "sharded s (shared GPU)", "bit-identical", "max abs diff",
+                  "peak MiB, one process", "peak MiB per rank (0 / 1 / ...)", *[f"EMULATED decode speed-up, {k}" for k in links]], rows)
+    if e2e:
+        out += ["", caption(f"The whole workflow, EMULATED: {E2E_STEPS} steps + the decode, the steps from the emulation "
+                            f"({card(em)}) and the decode from the row above ({card(d)}), bf16 exchange, {chunks} head chunks.",
+                            [EMULATION_JSON, VAE_JSON], "the machines of the two files",
+                            "Speed-up of steps + decode against one GPU doing both; the last column keeps the decode on one "
+                            "GPU (the sequence-parallel node without the VAE node)."), ""]
+        out += table(["video", "N", "link", "per step", "steps + decode", "steps + decode on rank 0 alone"], e2e)
+    return out
+
+
 # ---------------------------------------------------------------- patch 0001 on CUDA (table 6)
 
 def t_seam(results):
@@ -739,11 +795,12 @@ SECTIONS = {  # name: (title in a skipped-table comment, function of the results
     "users": ("the users' GPUs", t_users),
     "seam": ("patch 0001 on CUDA", t_seam),
     "inprocess": ("in-process threads vs processes", t_inprocess),
+    "vae": ("the VAE decode over the group", t_vae),
     "index": ("results index", t_index),
     "series": ("the series' size", t_series),
 }
 README_TABLES = ("scaling", "peers", "series")
-APPENDIX_TABLES = ("scaling", "peers", "exposed", "shared", "control", "users", "seam", "inprocess", "series")
+APPENDIX_TABLES = ("scaling", "peers", "exposed", "shared", "control", "users", "vae", "seam", "inprocess", "series")
 BENCH_TABLES = APPENDIX_TABLES + ("index",)
 
 
