@@ -1,10 +1,11 @@
 """MiniMax H3 Sequence Parallel: run an H3 model's denoising steps sharded over several GPUs.
 
-The node attaches a SequenceParallel runner to a clone of the model. Its workers start, and load the checkpoint, while rank 0 loads its own copy
-(PREPARE_SAMPLING); every rank holds the patch state of the patcher that samples (any LoRA loaders
-downstream included) before the first step (ON_PRE_RUN); new seeds and LoRA edits reuse them. When
-ComfyUI unloads the model, each worker unloads its own as ComfyUI does and stays for the next run; the
-workers end with the model the node returned (when ComfyUI frees it or runs the node again).
+The node attaches a SequenceParallel runner to a clone of the model. Its workers start, and load the
+checkpoint, while rank 0 loads its own copy (PREPARE_SAMPLING); every rank holds the patch state of the
+patcher that samples (any LoRA loaders downstream included) before the first step (ON_PRE_RUN); new
+seeds and LoRA edits reuse them. When ComfyUI unloads the model, each worker unloads its own as ComfyUI
+does and stays for the next run; the workers end with the model the node returned (when ComfyUI frees
+it or runs the node again).
 """
 
 import copy
@@ -163,7 +164,7 @@ class MiniMaxH3SequenceParallelVAE(io.ComfyNode):
     def execute(cls, vae, model, allow_custom_loader=False) -> io.NodeOutput:
         if not isinstance(vae.first_stage_model, MiniMaxH3VideoVAE):
             raise ValueError(f"MiniMax H3 Sequence Parallel VAE needs MiniMax H3's video VAE, got {type(vae.first_stage_model).__name__}")
-        runners = [w for w in model.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY) if isinstance(w, SequenceParallel)]
+        runners = model.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY)  # [] where it runs on one GPU
         if not runners:
             logging.info("MiniMax H3 Sequence Parallel VAE: the model runs on one GPU, so does the decode")
             return io.NodeOutput(vae)
