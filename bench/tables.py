@@ -436,8 +436,8 @@ def t_shared(results):
         return next((x.get(key) for x in r.get("link") or [] if x.get("mb_per_pair") == mb), None)
 
     paths = {"device": "device (CUDA IPC, stream flags)", "host": "host (pinned memory, stream flags)",
-             "host, a thread per rank": "host, a thread per rank"}
-    rows = [[r["ranks"], paths.get(r.get("data_path"), r.get("data_path") or "host, a thread per rank"),
+             "host, a thread per rank": "host, a thread per rank (no longer shipped)"}
+    rows = [[r["ranks"], paths.get(r.get("data_path") or "host, a thread per rank", r.get("data_path")),
              f_sci(((r.get("parity") or {}).get("bf16") or {}).get("rel_diff")),
              f_sci(((r.get("parity") or {}).get("fp8") or {}).get("rel_diff")),
              f_ms(call(r, 0.001, "s_per_call")), f_ms(call(r, 1, "s_per_call")),

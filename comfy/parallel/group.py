@@ -128,8 +128,8 @@ class ParallelGroup:
     """A group of ranks for one job. ``slot_bytes``: the size of each of a rank's two transport slots
     (pinned host memory on CUDA; a collective larger than a slot takes several rounds). ``device_path``:
     on CUDA, copy GPU to GPU where every pair passes a test at start. ``data_path`` says what moves the
-    data: "device", "host" (pinned host memory, ordered on the GPUs' streams) or "host, a thread per rank"
-    (CPU ranks, or GPUs without stream memory operations)."""
+    data: "device", "host" (pinned host memory, ordered on the GPUs' streams) or "host, on the calling
+    thread" (CPU ranks, or GPUs without stream memory operations, staged in CPU memory)."""
 
     def __init__(self, name="parallel", timeouts=None, slot_bytes=SLOT_BYTES, device_path=True):
         self.name, self.timeouts, self.slot_bytes = name, timeouts or Timeouts(), slot_bytes
@@ -274,8 +274,6 @@ class ParallelGroup:
         except BaseException as e:
             own = e
             t.abort(op.id)
-        finally:
-            t.end_op()
         try:
             self._wait(lambda: len(op.replies) == len(self._workers), op.deadline + 2.0,
                        lambda: ParallelTimeout(f"worker rank(s) {sorted(set(w.rank for w in self._workers) - set(op.replies))} "

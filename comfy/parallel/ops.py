@@ -102,4 +102,4 @@ def probe(ctx, meta):
     if ctx.device.type == "cuda":
         from . import stream_path
         path = ctx.transport.stream_path = stream_path.attach(ctx.transport, meta.get("device_path", True))
-    return {"data_path": "host, a thread per rank" if path is None else path.mode}
+    return {"data_path": "host, on the calling thread" if path is None else path.mode}

@@ -111,7 +111,9 @@ class StreamPath:
         self._flags_registered = False
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
-            _check(self.rt.cudaHostRegister(self.flags.data_ptr(), self.flags.numel() * 4, HOST_REGISTER), "cudaHostRegister of the flag page")
+            # the flag page, and in host mode the slots after it: copies to and from them run at the link's speed
+            pinned = self.flags.numel() * 4 + (host._data.numel() if mode == "host" else 0)
+            _check(self.rt.cudaHostRegister(self.flags.data_ptr(), pinned, HOST_REGISTER), f"cudaHostRegister of {pinned >> 20} MiB")
             self._flags_registered = True
             try:
                 self._start(n, mode)
@@ -249,8 +251,8 @@ class StreamPath:
 
 def attach(host, device_path=True):
     """On every rank of ``host``'s group (inside an op): the stream path, device to device where every pair
-    passes the test (and ``device_path``), else through host memory -> StreamPath, or None (the threaded
-    host path then moves everything) after one log line."""
+    passes the test (and ``device_path``), else through host memory -> StreamPath, or None after one log
+    line (the host path then stages CUDA tensors in CPU memory, blocking)."""
     path, error, ok, reason = None, None, False, "not asked for"
     if device_path:
         try:
@@ -284,7 +286,7 @@ def attach(host, device_path=True):
         return path
     if path is not None:
         path.close()
-    logger.warning("parallel group: GPU stream memory operations are unavailable (%s); a thread per rank moves the data",
+    logger.warning("parallel group: GPU stream memory operations are unavailable (%s); data is staged in CPU memory",
                    error or "on another rank")
     return None
 

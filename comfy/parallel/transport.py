@@ -1,19 +1,17 @@
 """The data path of a ParallelGroup: host memory shared by the group's processes and nobody else.
 
 Rank 0 creates one memfd segment and one eventfd "bell" per rank; the workers inherit them. Each
-rank owns two slots. A collective runs in rounds: in round k every rank copies what it sends into
-its slot k % 2 (device -> pinned host) and publishes it, copies what it receives out of its peers'
-slots (while its next sends are copied) and publishes that. Collectives run in order on one thread
-per rank; every wait blocks on the rank's bell and ends when the op is aborted or past its deadline.
+rank owns two slots. On CUDA the GPUs move the data themselves (stream_path). Otherwise a collective
+runs on the calling thread in rounds: in round k every rank copies what it sends into its slot k % 2
+and publishes it, then copies what it receives out of its peers' slots and publishes that. Every wait
+blocks on the rank's bell and ends when the op is aborted or past its deadline.
 """
 
 import collections
 import contextlib
 import mmap
 import os
-import queue
 import select
-import threading
 import time
 
 import torch
@@ -44,17 +42,11 @@ def _chunks(sizes, cap):
         offset += size
 
 
-class Work:
-    """One collective, queued on the transport's thread."""
-
-    def __init__(self, sends, recvs, rounds, own, event):
-        self.sends, self.recvs, self.rounds, self.own, self.event = sends, recvs, rounds, own, event
-        self.done, self.error = threading.Event(), None
+class Done:
+    """A collective of the host path: done when its call returned."""
 
     def wait(self):
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
+        pass
 
 
 class HostTransport:
@@ -76,18 +68,9 @@ class HostTransport:
         self._words = memoryview(self._map)[:HEADER].cast("q")
         self.flags = torch.frombuffer(self._map, dtype=torch.int32, offset=HEADER, count=FLAG_PAGE // 4)
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER + FLAG_PAGE)
-        self.op_id, self.deadline, self.seq, self._streams, self.stream_path, self._aborts_seen = 0, float("inf"), 0, None, None, 0
-        self._queue, self._poll, self._idle = queue.SimpleQueue(), select.poll(), threading.Event()
+        self.op_id, self.deadline, self.seq, self.stream_path, self._aborts_seen = 0, float("inf"), 0, None, 0
+        self._poll = select.poll()
         self._poll.register(self.bells[rank], select.POLLIN)
-        self._idle.set()
-        self._thread = threading.Thread(target=self._serve, name=f"parallel-transport-rank{rank}", daemon=True)
-        self._thread.start()
-        if self.device.type == "cuda":
-            # copies from and to this memory run asynchronously at the link's full speed
-            if torch.cuda.cudart().cudaHostRegister(self._data.data_ptr(), self._data.numel(), 0) != 0:
-                self.close()
-                raise RuntimeError(f"cannot pin {size >> 20} MiB of shared host memory for the parallel group")
-            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
 
     def fds(self):
         return [self.fd, *self.bells]
@@ -162,18 +145,15 @@ class HostTransport:
             self.stream_path.reset()
             self.all_gather_bytes(b"", 1)
 
-    def end_op(self):
-        """Once the op's collectives are done or failed (call on the op's thread when it leaves the op)."""
-        self._idle.wait()
-
     def all_to_all(self, sends, recvs, sizes):
         """``sends[j]`` -> rank j's ``recvs[rank]``. ``sizes[i][j]``: bytes from rank i to rank j, the same
-        matrix on every rank; tensors contiguous (None where the size is 0). -> Work. CUDA tensors go by the
-        ``stream_path`` where the group set one up at start (device to device, or through host memory with no
-        thread); its wait() is then the caller's stream waiting on the GPU."""
-        if self.stream_path is not None and any(t is not None and t.is_cuda for t in (*sends, *recvs)):
-            return self.stream_path.all_to_all([None if t is None else t.reshape(-1).view(torch.uint8) for t in sends],
-                                               [None if t is None else t.reshape(-1).view(torch.uint8) for t in recvs], sizes)
+        matrix on every rank; tensors contiguous (None where the size is 0). -> an object whose wait() returns
+        once ``recvs`` hold the data. CUDA tensors go by the ``stream_path`` the group set up at start (device
+        to device, or through host memory); its wait() is the caller's stream waiting on the GPU."""
+        if any(t is not None and t.is_cuda for t in (*sends, *recvs)):
+            if self.stream_path is None:
+                return self._through_cpu(sends, recvs, lambda s, r: self.all_to_all(s, r, sizes))
+            return self.stream_path.all_to_all(_bytes(sends), _bytes(recvs), sizes)
         n, rounds = self.world_size, collections.defaultdict(list)
         for i in range(n):
             for j in range(n):
@@ -192,10 +172,15 @@ class HostTransport:
                 self.stream_path.all_to_all([flat] * n if self.rank == 0 else [None] * n,
                                             [None] * n if self.rank == 0 else [flat] + [None] * (n - 1), sizes).wait()
             return
+        if tensors and tensors[0].is_cuda:
+            none = [None] * len(tensors)
+            self._through_cpu(none if self.rank else tensors, tensors if self.rank else none,
+                              lambda s, r: self.broadcast(r if self.rank else s))
+            return
         rounds, peers = collections.defaultdict(list), tuple(range(1, self.world_size))
         for k, off, i, a, b in _chunks([t.numel() * t.element_size() for t in tensors], self.slot_bytes):
             rounds[k].append((0, peers, off, i, i, a, b))
-        self._submit(tensors, tensors, rounds).wait()
+        self._submit(tensors, tensors, rounds)
 
     def all_gather_bytes(self, data, size=64):
         """Every rank's ``data`` (at most ``size`` bytes) -> the list of all ranks' (zero-padded); blocks."""
@@ -206,57 +191,41 @@ class HostTransport:
         self.all_to_all([mine] * self.world_size, out, [[size] * self.world_size] * self.world_size).wait()
         return [bytes(t.tolist()) for t in out]
 
+    @torch.inference_mode()  # it may write tensors ComfyUI made in inference mode, from a thread outside it
+    def _through_cpu(self, sends, recvs, move):
+        """CUDA tensors where the GPUs lack stream memory operations: staged in CPU memory, blocking."""
+        staged = [None if t is None else torch.empty(t.shape, dtype=t.dtype) for t in recvs]
+        move([None if t is None else t.cpu() for t in sends], staged)
+        for t, c in zip(recvs, staged):
+            if t is not None:
+                t.copy_(c)
+        return Done()
+
+    @torch.inference_mode()
     def _submit(self, sends, recvs, rounds, own=False):
         """``rounds[k]``: round k's pieces (src, dsts, slot offset, send index, recv index, start, stop);
-        ``own``: copy this rank's ``sends[rank]`` into its ``recvs[rank]``."""
-        event = None
-        if self._streams is not None:
-            # the copy streams start once what the op's stream queued so far (the sends, the allocations) is done
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        sends, recvs = ([None if t is None else t.reshape(-1).view(torch.uint8) for t in ts] for ts in (sends, recvs))
-        work = Work(sends, recvs, [rounds[k] for k in range(len(rounds))], own, event)
-        self._idle.clear()
-        self._queue.put(work)
-        return work
-
-    def _serve(self):
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            work = self._queue.get()
-            if work is None:
-                return
-            try:
-                if self.aborted():
-                    raise OpAborted(f"op {self.op_id} was aborted")
-                with torch.inference_mode():  # it writes tensors ComfyUI made in inference mode (and others)
-                    self._run(work)
-            except BaseException as e:
-                work.error = e
-                self._sync()  # no copy of a failed collective is left in flight
-            finally:
-                work.sends = work.recvs = None
-                work.done.set()
-                if self._queue.empty():
-                    self._idle.set()
-
-    def _run(self, work):
-        if work.own:
-            with self._on(1, work.event):
-                work.recvs[self.rank].copy_(work.sends[self.rank], non_blocking=True)
-        if work.rounds:
-            self._fill(work, 0)
-        for k in range(len(work.rounds)):
+        ``own``: copy this rank's ``sends[rank]`` into its ``recvs[rank]``. Runs them on this thread -> Done."""
+        if self.aborted():
+            raise OpAborted(f"op {self.op_id} was aborted")
+        sends, recvs = _bytes(sends), _bytes(recvs)
+        if own:
+            recvs[self.rank].copy_(sends[self.rank])
+        for k in range(len(rounds)):
             seq = self.seq + k
-            self._sync((0,))
+            if seq >= 2:  # the slot's last readers are done with it
+                self.wait_words(CONSUMED, self.stamp(seq - 2))
+            slot = self._slot(self.rank, seq)
+            for src, _, off, i, _, a, b in rounds[k]:
+                if src == self.rank:
+                    slot[off:off + b - a].copy_(sends[i][a:b])
             self.publish(POSTED, self.stamp(seq))
-            if k + 1 < len(work.rounds):
-                self._fill(work, k + 1)
-            self._drain(work, k)
+            self.wait_words(POSTED, self.stamp(seq))
+            for src, dsts, off, _, i, a, b in rounds[k]:
+                if self.rank in dsts:
+                    recvs[i][a:b].copy_(self._slot(src, seq)[off:off + b - a])
             self.publish(CONSUMED, self.stamp(seq))
-        self._sync((1,))
-        self.seq += len(work.rounds)
+        self.seq += len(rounds)
+        return Done()
 
     def stamp(self, seq):
         return (self.op_id << 32) + seq + 1
@@ -268,48 +237,11 @@ class HostTransport:
         start = (rank * 2 + seq % 2) * self.slot_bytes
         return self._data[start:start + self.slot_bytes]
 
-    def _fill(self, work, k):
-        """Copy this rank's sends of round k into its slot (the slot's last readers done first)."""
-        seq = self.seq + k
-        if seq >= 2:
-            self._wait(self._peers_reached(CONSUMED, self.stamp(seq - 2)))
-        slot = self._slot(self.rank, seq)
-        with self._on(0, work.event):
-            for src, _, off, i, _, a, b in work.rounds[k]:
-                if src == self.rank:
-                    slot[off:off + b - a].copy_(work.sends[i][a:b], non_blocking=True)
-
-    def _drain(self, work, k):
-        """Wait for round k from every peer, copy what this rank receives out of their slots."""
-        seq = self.seq + k
-        self._wait(self._peers_reached(POSTED, self.stamp(seq)))
-        with self._on(1, work.event):
-            for src, dsts, off, _, i, a, b in work.rounds[k]:
-                if self.rank in dsts:
-                    work.recvs[i][a:b].copy_(self._slot(src, seq)[off:off + b - a], non_blocking=True)
-        self._sync((1,))
-
-    def _on(self, which, event):
-        if self._streams is None:
-            return contextlib.nullcontext()
-        self._streams[which].wait_event(event)
-        return torch.cuda.stream(self._streams[which])
-
-    def _sync(self, which=(0, 1)):
-        if self._streams is not None:
-            for i in which:
-                self._streams[i].synchronize()
-
     def close(self):
         self.abort(1 << 62)  # a collective still waiting for a peer (gone, or never coming) leaves it
-        self._queue.put(None)
-        self._thread.join()
         if self.stream_path is not None:
             self.stream_path.close()
             self.stream_path = None
-        if self._streams is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._data.data_ptr())
-            self._streams = None
         self._words.release()
         del self._data
         try:
@@ -318,3 +250,7 @@ class HostTransport:
             pass  # a view of it is still referenced (a traceback's frame): unmapped once that goes
         for fd in (self.fd, *self.bells):
             os.close(fd)
+
+
+def _bytes(tensors):
+    return [None if t is None else t.reshape(-1).view(torch.uint8) for t in tensors]

@@ -102,8 +102,6 @@ class Worker:
             logger.exception("op %r (id %d) raised", name, op_id)
             return {"id": op_id, "status": "error", "value": None,
                     "error": {"type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()[-16000:]}}
-        finally:
-            t.end_op()
 
 
 def _beat(transport):

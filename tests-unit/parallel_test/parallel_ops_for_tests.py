@@ -28,9 +28,10 @@ def exchange(ctx, meta):
     sends = [torch.full((sizes[r][j] // 4,), 100.0 * r + j, device=ctx.device) for j in range(n)]
     recvs = [torch.empty(sizes[i][r] // 4, device=ctx.device) for i in range(n)]
     ctx.transport.all_to_all(sends, recvs, sizes).wait()
-    shared = [torch.arange(meta["broadcast"], dtype=torch.int32) if r == 0 else torch.empty(meta["broadcast"], dtype=torch.int32)]
+    want = torch.arange(meta["broadcast"], dtype=torch.int32, device=ctx.device)
+    shared = [want.clone() if r == 0 else torch.empty_like(want)]
     ctx.transport.broadcast(shared)
-    return all(bool((recvs[i] == 100.0 * i + r).all()) for i in range(n)) and torch.equal(shared[0], torch.arange(meta["broadcast"], dtype=torch.int32))
+    return all(bool((recvs[i] == 100.0 * i + r).all()) for i in range(n)) and torch.equal(shared[0], want)
 
 
 @register_op("test.busy")

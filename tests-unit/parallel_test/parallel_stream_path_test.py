@@ -37,7 +37,7 @@ def test_the_verdict_needs_every_pair_intact_and_one_architecture():
 def test_a_cpu_group_uses_the_host_path():
     with ParallelGroup("cpu-path") as g:
         g.start(["cpu"] * 2, IMPORTS)
-        assert g.data_path == "host, a thread per rank"
+        assert g.data_path == "host, on the calling thread"
         assert g.run("test.exchange", {"sizes": [[8, 4000], [12, 4]], "broadcast": 10}).values == [True, True]
 
 
@@ -74,6 +74,21 @@ def test_a_failed_write_and_verify_test_falls_back_to_the_host_path(monkeypatch,
         assert g.run("test.exchange", {"sizes": [[8, 4000], [12, 4]], "broadcast": 10}).values == [True, True]
     lines = [r.message for r in caplog.records if "device-to-device copies are off" in r.message]
     assert len(lines) == 1 and "0->1, 1->0" in lines[0]
+
+
+@cuda
+def test_without_stream_memory_operations_cuda_tensors_are_staged_in_cpu_memory(monkeypatch, caplog):
+    fingerprints = ops.code_fingerprints([*OWN_MODULES, *IMPORTS])
+    monkeypatch.setattr(ops, "code_fingerprints", lambda names: {m: fingerprints[m] for m in names})
+
+    def unavailable(host, mode):  # rank 0 only, as a GPU whose driver refuses cuStreamWaitValue32
+        raise stream_path.CudaError("cuStreamWaitValue32 failed (CUDA error 801: operation not supported)")
+    monkeypatch.setattr(stream_path, "StreamPath", unavailable)
+    with caplog.at_level("WARNING", logger="comfy.parallel.stream_path"), ParallelGroup("staged", device_path=False) as g:
+        g.start(["cuda:0"] * 2, IMPORTS)
+        assert g.data_path == "host, on the calling thread"
+        assert g.run("test.exchange", {"sizes": [[8, 6 << 20], [12 << 20, 4]], "broadcast": 10}).values == [True, True]
+    assert sum("staged in CPU memory" in r.message for r in caplog.records) == 1
 
 
 @cuda
