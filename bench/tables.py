@@ -736,6 +736,20 @@ BUDGETS = (("comfy/parallel/", ("comfy/parallel/",), 700), ("comfy/model_patcher
            ("vae_parallel.py (the VAE decode, after the review; its node is in the row above)",
             ("comfy/ldm/minimax/vae_parallel.py",), "none set"))
 
+PARALLEL_FILES = {
+    "group.py": "rank 0's owner: start (spawn, fingerprints, probe), run, cancel, close; the monitor that tells busy from "
+                "hung (heartbeat, CPU time, process state) and names a dead, stopped or misbehaving worker",
+    "stream_path.py": "the GPU data path: device to device over CUDA IPC after a write-and-verify test, or pinned host "
+                      "slots (within ComfyUI's pinned budget), ordered by flags the GPUs write and wait on; release after an abort",
+    "transport.py": "the shared segment and bells, aborts and deadlines, the CPU path (copies on the calling thread), "
+                    "the staged fallback",
+    "worker.py": "the worker process: ComfyUI's start-up as main.py does it, the op loop, exit when rank 0 is gone",
+    "ops.py": "the op registry, the context an op sees, code fingerprints (code skew), the start-up probe",
+    "channel.py": "JSON control frames on the private pipes (nothing unpickled)",
+    "errors.py": "the errors, each saying what happened and what to do",
+    "__init__.py": "the public names",
+}
+
 
 def patch_lines(path):
     """One patch file -> {file path: non-blank added lines}."""
@@ -766,7 +780,11 @@ def t_series(results):
     budget_rows = [[what, str(sum(v for k, v in every.items() if k.startswith(prefixes))), str(goal)]
                    for what, prefixes, goal in BUDGETS]
     out += ["", "Against the line budgets the maintainer review set (non-blank lines, tests not counted):", ""]
-    return out + table(["code", "lines now", "budget"], budget_rows, ["l", "r", "r"])
+    out += table(["code", "lines now", "budget"], budget_rows, ["l", "r", "r"])
+    files = [[f"`{k}`", str(every[k]), PARALLEL_FILES.get(k.rsplit("/", 1)[1], "")]
+             for k in sorted(every, key=lambda k: -every[k]) if k.startswith("comfy/parallel/")]
+    out += ["", "`comfy/parallel/` by file, and what each holds:", ""]
+    return out + table(["file", "lines", "what"], files, ["l", "r", "l"])
 
 
 # ---------------------------------------------------------------- the results index (bench/README.md only)
