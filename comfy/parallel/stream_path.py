@@ -1,8 +1,9 @@
 """All-to-alls ordered on the GPUs' streams: the data path of a ParallelGroup on CUDA, with no host wait.
 
-Every rank enqueues a round as: wait (on its stream) until each peer it writes to has consumed the
-round that last used this parity; copy its pieces; write its POSTED flag; wait until every peer's
-POSTED flag reaches this round; copy what it receives; write its CONSUMED flag. The flags are 32-bit
+Every rank enqueues a round as: on its send stream, wait until each peer it writes to has consumed
+the round that last used this parity, copy its pieces, write its POSTED flag; on its receive stream,
+wait until every peer's POSTED flag reaches this round, copy what it receives, write its CONSUMED flag
+(so round k + 1 goes out while round k comes in, on two copy engines). The flags are 32-bit
 words in a page of the group's private segment, mapped into every GPU (cuStreamWriteValue32 /
 cuStreamWaitValue32, whose write fences like __threadfence_system, so a flag is seen after the copies
 before it on x86 and ARM hosts alike). The host never blocks on a peer or a GPU, and there is no
@@ -22,6 +23,7 @@ rank that is gone; the next op resets them on every rank.
 
 import ctypes
 import logging
+import sys
 import time
 
 import torch
@@ -108,12 +110,11 @@ class StreamPath:
         self.rt, self.drv = _libs()
         n, self.round, self.peers, self.failed, self.buffer = host.world_size, 0, {}, None, VP()
         self.flags = host.flags  # int32 view of the flag page
-        self._flags_registered = False
+        self._flags_registered, self._unpin = False, None
         with torch.cuda.device(self.device):
-            self.stream = torch.cuda.Stream(self.device)
-            # the flag page, and in host mode the slots after it: copies to and from them run at the link's speed
-            pinned = self.flags.numel() * 4 + (host._data.numel() if mode == "host" else 0)
-            _check(self.rt.cudaHostRegister(self.flags.data_ptr(), pinned, HOST_REGISTER), f"cudaHostRegister of {pinned >> 20} MiB")
+            # sends on one stream and receives on another: a round's copies in overlap the next round's copies out
+            self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+            _check(self.rt.cudaHostRegister(self.flags.data_ptr(), self.flags.numel() * 4, HOST_REGISTER), "cudaHostRegister of the flag page")
             self._flags_registered = True
             try:
                 self._start(n, mode)
@@ -126,26 +127,41 @@ class StreamPath:
         _check(self.rt.cudaHostGetDevicePointer(ctypes.byref(flags_dev), self.flags.data_ptr(), 0), "cudaHostGetDevicePointer")
         self.flags_dev = flags_dev.value
         # a wait on a flag that is already there: the stream memory operations work on this device
-        self._wait_flag(self.host.rank, POSTED, 0)
-        self.stream.synchronize()
+        for s in self.streams:
+            self._wait_flag(s, self.host.rank, POSTED, 0)
+            s.synchronize()
         if mode == "device":
             self.lane = max(ALIGN, self.host.slot_bytes // n // ALIGN * ALIGN)
             _check(self.rt.cudaMalloc(ctypes.byref(self.buffer), 2 * n * self.lane), f"cudaMalloc of {2 * n * self.lane >> 20} MiB")
         else:
             self.lane = self.host.lane
+            self._pin(self.host._data)
+
+    def _pin(self, data):
+        """The slots pinned, so that copies to and from them run at the link's speed: within ComfyUI's pinned memory
+        budget where ComfyUI runs in this process (it may evict its own pins to make room, or refuse), else here."""
+        mm = sys.modules.get("comfy.model_management")
+        if mm is not None:
+            if not mm.pin_memory(data):
+                raise CudaError(f"ComfyUI's pinned memory budget refused the {data.nbytes >> 20} MiB of the slots "
+                                "(--disable-pinned-memory, or the budget is full)")
+            self._unpin = lambda: mm.unpin_memory(data)
+        else:
+            _check(self.rt.cudaHostRegister(data.data_ptr(), data.nbytes, 0), f"cudaHostRegister of {data.nbytes >> 20} MiB")
+            self._unpin = lambda: self.rt.cudaHostUnregister(data.data_ptr())
 
     def _flag(self, rank, which):
         return self.flags_dev + (rank * FLAG_STRIDE + which) * 4
 
-    def _wait_flag(self, rank, which, value):
-        _check(self.drv.cuStreamWaitValue32_v2(self.stream.cuda_stream, self._flag(rank, which), value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+    def _wait_flag(self, stream, rank, which, value):
+        _check(self.drv.cuStreamWaitValue32_v2(stream.cuda_stream, self._flag(rank, which), value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
 
-    def _write_flag(self, which, value):
-        _check(self.drv.cuStreamWriteValue32_v2(self.stream.cuda_stream, self._flag(self.host.rank, which), value & 0xFFFFFFFF, 0),
+    def _write_flag(self, stream, which, value):
+        _check(self.drv.cuStreamWriteValue32_v2(stream.cuda_stream, self._flag(self.host.rank, which), value & 0xFFFFFFFF, 0),
                "cuStreamWriteValue32")
 
-    def _copy(self, dst, src, size):
-        code = self.rt.cudaMemcpyAsync(dst, src, size, COPY_DEFAULT, self.stream.cuda_stream)
+    def _copy(self, stream, dst, src, size):
+        code = self.rt.cudaMemcpyAsync(dst, src, size, COPY_DEFAULT, stream.cuda_stream)
         if code != 0 and self.failed is None:  # raised after the round's flags are enqueued: no peer waits for it
             self.failed = CudaError(f"cudaMemcpyAsync failed (CUDA error {code})")
             self.rt.cudaGetLastError()
@@ -182,14 +198,15 @@ class StreamPath:
         if h.aborted():
             raise OpAborted(f"op {h.op_id} was aborted")
         rounds = max(-(-sizes[i][j] // self.lane) for i in range(n) for j in range(n) if i != j)
-        s, start = self.stream, torch.cuda.Event()
+        (out, into), start = self.streams, torch.cuda.Event()
         start.record(torch.cuda.current_stream(self.device))
-        s.wait_event(start)
-        for t in (*sends, *recvs):
-            if t is not None:
-                t.record_stream(s)  # the caller may drop them before the copies ran
+        for s in self.streams:
+            s.wait_event(start)
+            for t in (*sends, *recvs):
+                if t is not None:
+                    t.record_stream(s)  # the caller may drop them before the copies ran
         if sizes[r][r]:
-            self._copy(recvs[r].data_ptr(), sends[r].data_ptr(), sizes[r][r])
+            self._copy(into, recvs[r].data_ptr(), sends[r].data_ptr(), sizes[r][r])
         for k in range(rounds):
             g = self.round + k
             outgoing, incoming = self._targets(g % 2)
@@ -197,21 +214,23 @@ class StreamPath:
                 a, b = k * self.lane, min(sizes[r][j], (k + 1) * self.lane)
                 if a < b:
                     if g >= 2:
-                        self._wait_flag(j, CONSUMED, g - 1)  # j copied out round g - 2, which used this parity
-                    self._copy(dst, sends[j].data_ptr() + a, b - a)
-            self._write_flag(POSTED, g + 1)
+                        self._wait_flag(out, j, CONSUMED, g - 1)  # j copied out round g - 2, which used this parity
+                    self._copy(out, dst, sends[j].data_ptr() + a, b - a)
+            self._write_flag(out, POSTED, g + 1)
             for i, src in incoming.items():
                 a, b = k * self.lane, min(sizes[i][r], (k + 1) * self.lane)
                 if a < b:
-                    self._wait_flag(i, POSTED, g + 1)
-                    self._copy(recvs[i].data_ptr() + a, src, b - a)
-            self._write_flag(CONSUMED, g + 1)
+                    self._wait_flag(into, i, POSTED, g + 1)
+                    self._copy(into, recvs[i].data_ptr() + a, src, b - a)
+            self._write_flag(into, CONSUMED, g + 1)
         self.round += rounds
         if self.failed is not None:
             err, self.failed = self.failed, None
             raise err
-        done = torch.cuda.Event()
-        done.record(s)
+        sent, done = torch.cuda.Event(), torch.cuda.Event()
+        sent.record(out)
+        into.wait_event(sent)
+        done.record(into)
         return StreamWork(done, self.device)
 
     def release(self):
@@ -222,7 +241,7 @@ class StreamPath:
     def drain(self, timeout=10.0):
         """Release the flags until this rank's stream is idle (a peer's late flag write may hold it again)."""
         end = time.monotonic() + timeout
-        while not self.stream.query():
+        while not all(s.query() for s in self.streams):
             self.release()
             if time.monotonic() > end:
                 logger.error("parallel group rank %d: the GPU stream of its collectives did not drain in %gs", self.host.rank, timeout)
@@ -244,9 +263,12 @@ class StreamPath:
             if self.buffer.value:
                 self.rt.cudaFree(self.buffer)
                 self.buffer = VP()
+            if self._unpin is not None:
+                self._unpin()
+                self._unpin = None
             if self._flags_registered:
                 self.rt.cudaHostUnregister(self.flags.data_ptr())
-                self._flags_registered = False
+                self._flags_registered, self._unpin = False, None
 
 
 def attach(host, device_path=True):
@@ -286,7 +308,7 @@ def attach(host, device_path=True):
         return path
     if path is not None:
         path.close()
-    logger.warning("parallel group: GPU stream memory operations are unavailable (%s); data is staged in CPU memory",
+    logger.warning("parallel group: the GPUs' stream path is unavailable (%s); data is staged in CPU memory",
                    error or "on another rank")
     return None
 

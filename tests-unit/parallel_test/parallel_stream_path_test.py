@@ -92,6 +92,23 @@ def test_without_stream_memory_operations_cuda_tensors_are_staged_in_cpu_memory(
 
 
 @cuda
+def test_the_host_path_pins_its_slots_within_comfyui_s_pinned_budget(monkeypatch):
+    import comfy.model_management as mm
+    before = mm.TOTAL_PINNED_MEMORY
+    with ParallelGroup("pinned", device_path=False) as g:
+        g.start(["cuda:0"] * 2, IMPORTS)
+        assert g.data_path == "host"
+        assert mm.TOTAL_PINNED_MEMORY - before == g._transport._data.nbytes  # the slots of every rank, once
+        assert g.run("test.exchange", {"sizes": [[8, 6 << 20], [12 << 20, 4]], "broadcast": 10}).values == [True, True]
+    assert mm.TOTAL_PINNED_MEMORY == before
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 0)  # as --disable-pinned-memory: ComfyUI pins nothing
+    with ParallelGroup("refused", device_path=False) as g:
+        g.start(["cuda:0"] * 2, IMPORTS)
+        assert g.data_path == "host, on the calling thread"
+        assert g.run("test.exchange", {"sizes": [[8, 6 << 20], [12 << 20, 4]], "broadcast": 10}).values == [True, True]
+
+
+@cuda
 @pytest.mark.parametrize("path", ["device", "host"])
 def test_a_rank_killed_mid_copy_is_named_and_rank0_s_gpu_stays_usable(path):
     with ParallelGroup("killed", device_path=path == "device") as g:
