@@ -27,7 +27,7 @@ from safetensors.torch import save_file  # noqa: E402
 import comfy.model_management  # noqa: E402
 import comfy.patcher_extension  # noqa: E402
 import folder_paths  # noqa: E402
-from h3_files import TINY_CONFIG, step_inputs, write_h3_file  # noqa: E402
+from h3_files import TINY_CONFIG, write_h3_file  # noqa: E402
 
 CASES = {"832x480x121": (37, 30, 52), "1344x768x243": (72, 48, 84)}  # latent frames, height, width
 LINKS_GB_S = {"PCIe 4 x16": 25.0, "PCIe 3 x8": 6.5}
@@ -63,7 +63,10 @@ class PeakMemory:
             out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True).stdout
             for line in out.strip().splitlines():
-                pid, mib = (int(x) for x in line.split(","))
+                try:
+                    pid, mib = (int(x) for x in line.split(","))
+                except ValueError:  # "[N/A]" where the driver hides processes (a container)
+                    continue
                 self.peak[pid] = max(self.peak.get(pid, 0), mib)
             time.sleep(0.1)
 
@@ -131,10 +134,7 @@ def main():
                 sp = node.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY)[0]
                 try:
                     comfy.model_management.load_models_gpu([node])
-                    node.pre_run()
-                    x, t, c, p = step_inputs(TINY_CONFIG, "t2va", seed=0)
-                    options = dict(node.model_options["transformer_options"], wrappers=node.wrappers)
-                    node.model.diffusion_model(x, t, c.to(node.model.get_dtype_inference()), transformer_options=options, minimax_payload=p)
+                    node.pre_run()  # the workers start (as before sampling) and stay ready for the decode
                     sharded = MiniMaxH3SequenceParallelVAE.execute(vae, node).result[0]
                     peak = PeakMemory()
                     sharded.decode(z[:, :, :7])  # warm-up (the workers load the VAE)
