@@ -191,7 +191,7 @@ class HostTransport:
         self.all_to_all([mine] * self.world_size, out, [[size] * self.world_size] * self.world_size).wait()
         return [bytes(t.tolist()) for t in out]
 
-    @torch.inference_mode()  # it may write tensors ComfyUI made in inference mode, from a thread outside it
+    @torch.inference_mode()  # it may write tensors ComfyUI made in inference mode, for a caller outside it
     def _through_cpu(self, sends, recvs, move):
         """CUDA tensors where the GPUs lack stream memory operations: staged in CPU memory, blocking."""
         staged = [None if t is None else torch.empty(t.shape, dtype=t.dtype) for t in recvs]
