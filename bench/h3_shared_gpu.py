@@ -160,15 +160,16 @@ def control(ctx, meta):
             "rel_diff_vs_native_tower": rel, "rel_diff_tower_vs_no_tower_native": rel_diff(outs["native_tower"], outs["native"])}
 
 
-def thread_only(on):
-    """The threaded host path (the transport before the stream path) for a baseline: no stream path set up."""
+def staged_only(on):
+    """No stream path set up, as on GPUs without stream memory operations: CUDA tensors are staged in CPU memory
+    and copied on the calling thread (data_path "host, on the calling thread")."""
     from comfy.parallel import stream_path
     real = getattr(stream_path, "_real_attach", stream_path.attach)
     stream_path._real_attach = real
     stream_path.attach = (lambda host, device_path=True: None) if on else real
 
 
-thread_only(os.environ.get("H3SP_BENCH_THREAD") == "1")  # a worker of a "thread" run
+staged_only(os.environ.get("H3SP_BENCH_STAGED") == "1")  # a worker of a "staged" run
 
 
 def rel_diff(outs, refs):
@@ -192,17 +193,17 @@ def main():
     ap.add_argument("--scaled", action="store_true", help="--control with scaled weights and hint 0.1 (see control())")
     ap.add_argument("--skip-link", action="store_true", help="only the parity (and --control) runs")
     ap.add_argument("--skip-parity", action="store_true", help="only the link runs")
-    ap.add_argument("--paths", default="device,host,thread",
-                    help="the data paths to run: device, host (comfy.parallel's stream path), thread (its threaded host path)")
+    ap.add_argument("--paths", default="device,host,staged",
+                    help="the data paths to run: device, host (comfy.parallel's stream path), staged (its fallback through CPU memory)")
     ap.add_argument("--device", default="cuda:0", help="every rank's device (cpu with H3SP_BENCH_TINY=1 --case tiny: a smoke run)")
     a = ap.parse_args()
     result = {"what": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name() if a.device != "cpu" else "cpu", "torch": torch.__version__,
               "machine": platform.node(), "commit": os.environ.get("H3SP_COMMIT"), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     for n, path in ((n, p) for n in map(int, a.ranks.split(",")) for p in a.paths.split(",")):
-        thread_only(path == "thread")
+        staged_only(path == "staged")
         with ParallelGroup(f"bench-{n}", device_path=path == "device") as group:
-            group.start([a.device] * n, ["h3_shared_gpu"], env={"H3SP_BENCH_THREAD": "1" if path == "thread" else ""})
-            if group.data_path != path:
+            group.start([a.device] * n, ["h3_shared_gpu"], env={"H3SP_BENCH_STAGED": "1" if path == "staged" else ""})
+            if group.data_path != {"staged": "host, on the calling thread"}.get(path, path):
                 print(json.dumps({"ranks": n, "asked": path, "data_path": group.data_path}), flush=True)
             links = []
             for mb in () if a.skip_link else (0.001, 0.1, 1, 4, 64, 256):

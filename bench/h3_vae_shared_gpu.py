@@ -127,6 +127,8 @@ def main():
             run = {"case": case, "latent": list(z.shape), "tiles": len(calls), "tile_bytes": sum(s.nbytes for s in shapes),
                    "one_process": {"decode_s": one_s, "decoder_calls_s": one_s - rest_s, "rest_s": rest_s, "peak_mib": one_peak,
                                    "torch_peak_mib": torch.cuda.max_memory_allocated() / 2**20}, "sharded": []}
+            result["runs"].append(run)
+            save(a.out, result)  # what ran is kept should a later run pass the section's time limit
             for n in [int(r) for r in a.ranks.split(",")]:
                 comfy.model_management.get_all_torch_devices = lambda exclude_current=False, n=n: [gpu] * n
                 dit = nodes.UNETLoader().load_unet("h3_tiny.safetensors", "default")[0]
@@ -150,13 +152,18 @@ def main():
                         "emulated_decode_s": {name: per_gpu + from_workers / (gb * 1e9) for name, gb in LINKS_GB_S.items()},
                         "emulated_speedup": {name: one_s / (per_gpu + from_workers / (gb * 1e9)) for name, gb in LINKS_GB_S.items()}})
                     print(json.dumps(run["sharded"][-1]), flush=True)
+                    save(a.out, result)
                 finally:
                     sp.close()
                     comfy.model_management.unload_all_models()
-            result["runs"].append(run)
-            with open(a.out, "w") as f:
-                json.dump(result, f, indent=1)
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    save(a.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+
+
+def save(path, result):
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

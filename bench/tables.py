@@ -436,7 +436,8 @@ def t_shared(results):
         return next((x.get(key) for x in r.get("link") or [] if x.get("mb_per_pair") == mb), None)
 
     paths = {"device": "device (CUDA IPC, stream flags)", "host": "host (pinned memory, stream flags)",
-             "host, a thread per rank": "host, a thread per rank (no longer shipped)"}
+             "host, a thread per rank": "host, a thread per rank (no longer shipped)",
+             "host, on the calling thread": "staged (through CPU memory, on the calling thread)"}
     rows = [[r["ranks"], paths.get(r.get("data_path") or "host, a thread per rank", r.get("data_path")),
              f_sci(((r.get("parity") or {}).get("bf16") or {}).get("rel_diff")),
              f_sci(((r.get("parity") or {}).get("fp8") or {}).get("rel_diff")),
@@ -451,8 +452,9 @@ def t_shared(results):
                    "bf16 weights), max |a - b| / max |b|. The data path: seconds per all-to-all (the slowest rank, back to back, "
                    "the GPU synchronized at the end) at 1 KB and 1 MB per peer pair, and bandwidth per rank each way at 64 and "
                    "256 MB per pair. device: copies into the peer's buffer on the copy engine (here same-device IPC); host: "
-                   "device -> pinned host -> device; both ordered by flags the GPUs write and wait on. A thread per rank: the "
-                   "transport before them (the fallback for GPUs without stream memory operations, and the CPU path)."), ""]
+                   "device -> pinned host -> device; both ordered by flags the GPUs write and wait on. Staged: the fallback for GPUs "
+                   "without stream memory operations (CUDA tensors copied to CPU memory and through the CPU path, blocking); "
+                   "a thread per rank: the transport before the stream path, no longer shipped."), ""]
     out += table(["N", "data path", "rel diff, bf16 exchange", "rel diff, fp8 exchange", "1 KB all-to-all ms", "1 MB all-to-all ms",
                   "64 MB per pair: GB/s per rank each way", "256 MB per pair: GB/s per rank each way", "group start-up s"], rows)
     out += ["", "The N ranks share one GPU (its copy engines, its memory, its PCIe link to host memory), so the bandwidth per "
