@@ -66,8 +66,9 @@ class HostTransport:
         self.fd, self.bells = fd, bells
         self._map = mmap.mmap(fd, size)
         self._words = memoryview(self._map)[:HEADER].cast("q")
-        self.flags = torch.frombuffer(self._map, dtype=torch.int32, offset=HEADER, count=FLAG_PAGE // 4)
-        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER + FLAG_PAGE)
+        with torch.inference_mode(False):  # not inference tensors: an abort writes the flags from any thread (the monitor's)
+            self.flags = torch.frombuffer(self._map, dtype=torch.int32, offset=HEADER, count=FLAG_PAGE // 4)
+            self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER + FLAG_PAGE)
         self.op_id, self.deadline, self.seq, self.stream_path, self._aborts_seen = 0, float("inf"), 0, None, 0
         self._poll = select.poll()
         self._poll.register(self.bells[rank], select.POLLIN)

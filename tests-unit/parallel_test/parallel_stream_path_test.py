@@ -10,7 +10,7 @@ import pytest
 import torch
 from parallel_helpers import IMPORTS, wait_until
 
-from comfy.parallel import ParallelCancelled, ParallelGroup, ParallelGroupError, ops, stream_path
+from comfy.parallel import ParallelCancelled, ParallelGroup, ParallelGroupError, ParallelOpError, ops, stream_path
 from comfy.parallel.group import OWN_MODULES
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -133,4 +133,21 @@ def test_a_cancelled_op_leaves_the_streams_drained_and_the_next_op_exact():
         threading.Timer(1.0, g.cancel).start()
         with pytest.raises(ParallelCancelled):
             g.run("test.stream", {"mb": 64, "seconds": 30})
+        assert g.run("test.exchange", {"sizes": [[8, 6 << 20], [12 << 20, 4]], "broadcast": 10}).values == [True, True]
+
+
+@cuda
+@pytest.mark.parametrize("path", ["device", "host"])
+def test_a_group_started_in_inference_mode_survives_a_worker_s_error_and_a_cancel(path):
+    # ComfyUI runs nodes in inference mode, so the node starts its group there; the monitor thread, which aborts
+    # the op when a worker raises, and a cancel from another thread run outside it
+    with torch.inference_mode(), ParallelGroup("inference", device_path=path == "device") as g:
+        g.start(["cuda:0"] * 2, IMPORTS)
+        assert g.data_path == path
+        with pytest.raises(ParallelOpError, match="raised ValueError on worker rank 1"):
+            g.run("test.fail", {"rank": 1})
+        threading.Timer(1.0, g.cancel).start()
+        with pytest.raises(ParallelCancelled):
+            g.run("test.stream", {"mb": 64, "seconds": 30})
+        assert g.state == "ready"
         assert g.run("test.exchange", {"sizes": [[8, 6 << 20], [12 << 20, 4]], "broadcast": 10}).values == [True, True]
