@@ -91,7 +91,8 @@ class Worker:
         t.begin_op(op_id, time.monotonic() + body["timeout"])
         try:
             t.settle()
-            value = ops.get_op(name)(ctx, body["meta"])
+            with torch.inference_mode():  # as ComfyUI runs its nodes: no autograd state (a VAE's weights require grad)
+                value = ops.get_op(name)(ctx, body["meta"])
             channel.encode("result", {"value": value})  # JSON, or the op fails here
             return {"id": op_id, "status": "ok", "value": value}
         except (OpAborted, PreflightMismatch) as e:  # every rank left the op (rank 0 raises a mismatch)

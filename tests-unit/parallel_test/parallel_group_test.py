@@ -38,6 +38,13 @@ def test_collectives_move_exact_bytes_in_several_rounds(group):
     assert group.run("test.exchange", {"sizes": sizes, "broadcast": 9000}).values == [True, True, True]
 
 
+def test_workers_run_ops_in_inference_mode_as_comfyui_runs_nodes(group):
+    # a VAE's weights require grad: a worker outside inference mode kept every activation of its decode (OOM on a GPU)
+    assert group.run("test.grad_modes").values == [{"inference": False, "graph": True}] + [{"inference": True, "graph": False}] * 2
+    with torch.inference_mode():  # rank 0 runs its share in its caller's mode
+        assert group.run("test.grad_modes").values[0] == {"inference": True, "graph": False}
+
+
 def test_an_error_on_a_worker_is_named_and_the_group_stays_ready(group):
     pids = group.worker_pids()
     with pytest.raises(ParallelOpError, match="raised ValueError on worker rank 2: bad input on rank 2") as e:

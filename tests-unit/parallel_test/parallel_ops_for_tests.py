@@ -78,6 +78,13 @@ def silent(ctx, meta):
     return {}
 
 
+@register_op("test.grad_modes")
+def grad_modes(ctx, meta):
+    """Whether this rank runs the op in inference mode, and whether a product of a weight that requires grad keeps a graph."""
+    w = torch.ones(4, requires_grad=True)
+    return {"inference": torch.is_inference_mode_enabled(), "graph": (w * 2).requires_grad}
+
+
 @register_op("test.value")
 def value(ctx, meta):
     """Rank 0 returns a tensor; a worker returns a list, or with ``meta['bad']`` a set, which is not JSON."""
