@@ -2,7 +2,8 @@
 
 Rank 0's share of one denoising step runs for real: the patched tree's MiniMaxH3Model._forward at
 H3's real width (hidden 5376, 56 heads of 128), random bf16 weights, on its S/N rows and its head
-share, through comfy/ldm/minimax/ulysses.py exactly as shipped (head chunks, fp8 exchange). Only
+share, through comfy/ldm/minimax/ulysses.py exactly as shipped (head chunks, fp8 exchange, the q|k|v
+all-to-all or, where it moves fewer bytes, the hidden-row gather; --qkv auto,all_to_all runs both). Only
 the transport is replaced: each all-to-all waits for what the compute stream queued before it,
 copies the bytes the real one would deliver into this rank's receive buffers (device copies), and
 spins until the time the link takes for them has passed: the larger of the bytes sent and received
@@ -196,6 +197,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4, help="real-width blocks built (the median block is projected to 50)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--chunks", default="2")
+    ap.add_argument("--qkv", default="auto", help="auto (the shipped choice) and/or all_to_all (forced), comma-separated")
     ap.add_argument("--latency-from", required=True, help="h3_shared_gpu.py's JSON: the transport's cost of one collective by rank count")
     a = ap.parse_args()
     with open(a.latency_from) as f:
@@ -222,16 +224,18 @@ def main():
             # measured at 2, 4, 8 ranks; 3 between 2 and 4
             latency = {p: measured.get((p, n)) or (measured[(p, 2)] + measured[(p, 4)]) / 2 for p in ("device", "host")}
             result["collective_latency_s"][n] = latency
-            for chunks in map(int, a.chunks.split(",")):
+            for chunks, qkv in ((c, q) for c in map(int, a.chunks.split(",")) for q in a.qkv.split(",")):
                 for fp8 in (False, True):
                     for link, gbps in [("compute only", None)] + sorted(links.items(), key=lambda kv: -kv[1]):
                         if fp8 and gbps is None:
                             continue
                         t = EmulatedTransport(n, gbps, latency[PATH_OF.get(link, "device")])
-                        sp = UlyssesParallel(0, n, model.blocks[0].attn.heads, t, chunks=chunks, fp8=fp8)
+                        sp = UlyssesParallel(0, n, model.blocks[0].attn.heads, t, chunks=chunks, fp8=fp8,
+                                             gather=None if qkv == "auto" else False)
                         parts = timed(model, args, {"minimax_h3_sequence_parallel": sp}, a.repeats)
                         per_step = (a.repeats + 1) * a.layers / BLOCKS  # forwards run, in steps of 50 blocks
                         run = {"ranks": n, "chunks": chunks, "exchange": "fp8" if fp8 else "bf16", "link": link, "gbps": gbps,
+                               "qkv": "gather" if sp.gathers(model.blocks[0].attn) else "all_to_all", "qkv_choice": qkv,
                                "parts_ms": parts, "step_s": step_s(parts), "speedup": step_s(native) / step_s(parts),
                                "step_gb_in": t.bytes_in / per_step / 1e9, "step_gb_out": t.bytes_out / per_step / 1e9,
                                "step_rounds": t.rounds / per_step}
@@ -239,7 +243,8 @@ def main():
                         print(json.dumps({"case": case, **{k: v for k, v in run.items() if k != "parts_ms"}}), flush=True)
                         save(a.out, result)
         for run in entry["runs"]:
-            free = next(r for r in entry["runs"] if r["ranks"] == run["ranks"] and r["chunks"] == run["chunks"] and r["gbps"] is None)
+            free = next(r for r in entry["runs"] if r["ranks"] == run["ranks"] and r["chunks"] == run["chunks"]
+                        and r.get("qkv_choice") == run.get("qkv_choice") and r["gbps"] is None)
             run["exposed_comm_s"] = run["step_s"] - free["step_s"]
         save(a.out, result)
     save(a.out, result, finished=True)

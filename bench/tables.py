@@ -213,15 +213,31 @@ def emulation(results):
     chunks = min(r["chunks"] for r in runs)
     for c in cases.values():  # a run stopped mid-case has not written its last case's exposed seconds: the same difference
         for r in c.get("runs") or []:
-            free = next((f for f in c["runs"] if (f["ranks"], f["chunks"], f["gbps"]) == (r["ranks"], r["chunks"], None)), None)
+            free = next((f for f in c["runs"] if (f["ranks"], f["chunks"], f["gbps"], shipped(f)) == (r["ranks"], r["chunks"], None, shipped(r))), None)
             if "exposed_comm_s" not in r and free is not None:
                 r["exposed_comm_s"] = r["step_s"] - free["step_s"]
     return d, cases, chunks
 
 
+def shipped(run):
+    """Whether a run used the shipped q|k|v choice (runs from before the choice existed did)."""
+    return run.get("qkv_choice", "auto") == "auto"
+
+
 def run_of(case, n, link, exchange, chunks):
     return next((r for r in case.get("runs") or [] if r["ranks"] == n and r["link"] == link and r["exchange"] == exchange
-                 and r["chunks"] == chunks), None)
+                 and r["chunks"] == chunks and shipped(r)), None)
+
+
+def qkv_text(d, cases):
+    """How the run moved q|k|v, by N."""
+    runs = [r for c in cases.values() for r in c.get("runs") or [] if shipped(r)]
+    if not any("qkv" in r for r in runs):
+        return (f"At {('commit ' + d['commit']) if d.get('commit') else 'the run'}, q|k|v went by all-to-all at every N: "
+                "the hidden-row gather the shipped code uses at N = 2 and 3 is later and not in this run.")
+    by = {mode: sorted({r["ranks"] for r in runs if r.get("qkv") == mode}) for mode in ("gather", "all_to_all")}
+    return "; ".join(f"{label} at N = {' / '.join(map(str, by[mode]))}" for mode, label in
+                     (("gather", "Hidden rows gathered"), ("all_to_all", "q|k|v by all-to-all")) if by[mode]) + "."
 
 
 def ranks_of(case):
@@ -269,15 +285,16 @@ def t_scaling(results):
     _, lat_text = latencies(d)
     method = (f"Rank 0's share of each denoising step runs for real: the patched tree's forward at H3's real width "
               f"(random bf16 weights; {d.get('layers_built', '?')} blocks built, the median block projected to "
-              f"{d.get('blocks_projected', '?')}) through the shipped `ulysses.py`, {chunks} head chunks. Only its "
+              f"{d.get('blocks_projected', '?')}) through `ulysses.py`, {chunks} head chunks. Only its "
               "all-to-alls are replaced, by device copies of the same bytes paced to the link's bandwidth plus the "
               + ("measured cost per collective of the data path the column names (`collective_latency_s`: "
                  f"{lat_text}). The device path's link is NVLink between GPUs; its cost was measured with the ranks "
                  "sharing one GPU." if by_path(d) else
                  f"measured cost per collective of the threaded host transport in every column (`collective_latency_s`: "
                  f"{lat_text}): this run predates the stream path, so no column is the device path over NVLink; the "
-                 "NVLink column is that transport paced at NVLink's bandwidth, which it cannot reach between GPUs."))
-    out = [caption(f"Sequence-parallel scaling of the shipped code, EMULATED on one {card(d)}: speed-up of a step over the "
+                 "NVLink column is that transport paced at NVLink's bandwidth, which it cannot reach between GPUs.")
+              + " " + qkv_text(d, cases))
+    out = [caption(f"Sequence-parallel scaling, EMULATED on one {card(d)}: speed-up of a step over the "
                    "native step (N = 1).", EMULATION_JSON, machine(d), method), ""]
     header = ["case", "tokens", "N", "compute only (free link)"] + [f"{link_label(d, k)}, bf16" for k in links]
     fp8_link = "pcie3x8" if "pcie3x8" in links else links[-1]
@@ -303,7 +320,7 @@ def t_scaling(results):
 def t_exposed(results):
     d, cases, chunks = emulation(results)
     links = sorted(list(d.get("links_gbps") or {}) + list(d.get("peers") or {}), key=lambda k: -(gbps_of(d, k) or 0))
-    out = [caption(f"Exposed communication of the shipped code, EMULATED on one {card(d)}: seconds per step that the "
+    out = [caption(f"Exposed communication, EMULATED on one {card(d)}: seconds per step that the "
                    "all-to-alls add to rank 0's step, bf16 / fp8 exchange.", EMULATION_JSON, machine(d),
                    "Exposed = the emulated step at a link minus the same step with a free link (compute only)."), ""]
     rows = []
@@ -314,7 +331,7 @@ def t_exposed(results):
                 b, f = run_of(case, n, k, "bf16", chunks), run_of(case, n, k, "fp8", chunks)
                 cells.append("—" if not (b or f) else f"{f_s((b or {}).get('exposed_comm_s'))} / {f_s((f or {}).get('exposed_comm_s'))}")
             b, f = run_of(case, n, "compute only", "bf16", chunks), next(
-                (r for r in case["runs"] if r["ranks"] == n and r["exchange"] == "fp8"), None)
+                (r for r in case["runs"] if r["ranks"] == n and r["exchange"] == "fp8" and shipped(r)), None)
             gb = f"{fmt((b or {}).get('step_gb_out'), 1)} / {fmt((f or {}).get('step_gb_out'), 1)}"
             rows.append([name, f_int(case.get("tokens")), n, gb] + cells)
     out += table(["case", "tokens", "N", "GB sent by rank 0 per step"] + [link_label(d, k) for k in links], rows)
@@ -322,6 +339,22 @@ def t_exposed(results):
                 "quantizing and dequantizing: on a fast link fp8 can expose more than bf16. The matched links exist for "
                 "the peers' token count only (75k). Per-collective cost: the caption of the scaling table."]
     return out
+
+
+def t_qkv(results):
+    d, cases, chunks = emulation(results)
+    pairs = [(name, case, r, next((f for f in case["runs"] if shipped(f) and all(f[k] == r[k] for k in ("ranks", "chunks", "exchange", "link"))), None))
+             for name, case in cases.items() for r in case["runs"] if r.get("qkv_choice") == "all_to_all" and r["chunks"] == chunks]
+    rows = [[name, f_int(case.get("tokens")), r["ranks"], r["link"] if r["gbps"] is None else link_label(d, r["link"]), r["exchange"],
+             f"{fmt(g['step_gb_out'], 1)} / {fmt(r['step_gb_out'], 1)}", f"{f_s(g['step_s'])} / {f_s(r['step_s'])}",
+             f_speedup(g["speedup"]), f_speedup(r["speedup"])]
+            for name, case, r, g in pairs if g is not None and g.get("qkv") == "gather"]
+    if not rows:
+        return []  # not run yet (h3_sp_emulation.py --qkv auto,all_to_all); the CPU test counts the bytes
+    out = [caption(f"The hidden-row gather against the q|k|v all-to-all, EMULATED on one {card(d)}, interleaved in one run.",
+                   EMULATION_JSON, machine(d), "The same step, model and link; only the exchange before attention differs."), ""]
+    return out + table(["case", "tokens", "N", "link", "exchange", "GB sent by rank 0 per step, gather / all-to-all",
+                        "step s, gather / all-to-all", "speed-up, gather", "speed-up, all-to-all"], rows)
 
 
 # ---------------------------------------------------------------- the peers (table 2)
@@ -820,6 +853,7 @@ SECTIONS = {  # name: (title in a skipped-table comment, function of the results
     "scaling": ("sequence-parallel scaling", t_scaling),
     "peers": ("side by side with the peers", t_peers),
     "exposed": ("exposed communication", t_exposed),
+    "qkv": ("the hidden-row gather against the all-to-all", t_qkv),
     "shared": ("fp8 vs bf16 exchange and the transport", t_shared),
     "control": ("a Fun ControlNet tower under sharding", t_control),
     "users": ("the users' GPUs", t_users),
@@ -830,7 +864,7 @@ SECTIONS = {  # name: (title in a skipped-table comment, function of the results
     "series": ("the series' size", t_series),
 }
 README_TABLES = ("scaling", "peers", "series")
-APPENDIX_TABLES = ("scaling", "peers", "exposed", "shared", "control", "users", "vae", "seam", "inprocess", "series")
+APPENDIX_TABLES = ("scaling", "peers", "exposed", "qkv", "shared", "control", "users", "vae", "seam", "inprocess", "series")
 BENCH_TABLES = APPENDIX_TABLES + ("index",)
 
 

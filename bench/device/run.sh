@@ -40,7 +40,7 @@ for s in ${SECTIONS:-env gpu_test shared emulation}; do
       (cd "$tree" && timeout ${CONTROL_S:-240} python3 "$repo/bench/h3_shared_gpu.py" --out "$out/h3_gpu_controlnet.json" --ranks 2 --layers 2 --control --skip-link ${CONTROL_ARGS:-} 2>&1 | tail -10) ;;
     emulation)
       section emulation
-      (cd "$tree" && timeout "${EMULATION_S:-400}" python3 "$repo/bench/h3_sp_emulation.py" --out "$out/h3_gpu_emulation.json" --latency-from "${LATENCY_FROM:-$out/h3_gpu_shared.json}" 2>&1 | tail -100 > "$out/emulation.log"; tail -5 "$out/emulation.log") ;;
+      (cd "$tree" && timeout "${EMULATION_S:-400}" python3 "$repo/bench/h3_sp_emulation.py" --out "$out/h3_gpu_emulation.json" --latency-from "${LATENCY_FROM:-$out/h3_gpu_shared.json}" ${EMULATION_ARGS:-} 2>&1 | tail -100 > "$out/emulation.log"; tail -5 "$out/emulation.log") ;;
     vae)
       section vae
       (cd "$tree" && timeout "${VAE_S:-400}" python3 "$repo/bench/h3_vae_shared_gpu.py" --out "$out/h3_gpu_vae.json" ${VAE_ARGS:-} 2>&1 | grep -v "it/s" > "$out/vae.log"; tail -30 "$out/vae.log") ;;
