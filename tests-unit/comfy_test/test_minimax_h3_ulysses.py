@@ -75,3 +75,6 @@ def test_the_gather_is_chosen_only_for_comfyui_s_plain_linear():
     assert gathers(2, comfy.ops.disable_weight_init) and gathers(2, comfy.ops.manual_cast)
     assert not gathers(3, comfy.ops.disable_weight_init)
     assert not gathers(2, comfy.ops.mixed_precision_ops({}))
+    attn = cases.build_model({}).blocks[0].attn
+    attn.__class__ = type("Patched", (type(attn),), {"project_qkv": lambda self, x, rope_freqs=None: None})
+    assert not UlyssesParallel(0, 2, attn.heads, None).gathers(attn)  # its own projection: the all-to-all calls it

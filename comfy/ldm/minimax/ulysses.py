@@ -24,6 +24,7 @@ import types
 import torch
 
 import comfy.ops
+from comfy.ldm.minimax.model import Attention
 from comfy.ldm.minimax.plan import balanced_ranges
 from comfy.quant_ops import QuantizedTensor
 
@@ -75,7 +76,8 @@ class UlyssesParallel:
         if self.force_gather is not None:
             return self.force_gather
         proj, plain = attn.qkv_proj, comfy.ops.disable_weight_init.Linear
-        return (self.world_size * proj.in_features < proj.out_features and type(proj).forward is plain.forward
+        return (self.world_size * proj.in_features < proj.out_features and type(attn).project_qkv is Attention.project_qkv
+                and type(proj).forward is plain.forward
                 and type(proj).forward_comfy_cast_weights is plain.forward_comfy_cast_weights
                 and not isinstance(proj.weight, QuantizedTensor))
 
