@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
+import minimax_h3_cases as cases
 from h3_ulysses_ops import OP
+import comfy.ops
+from comfy.ldm.minimax.ulysses import UlyssesParallel
 from comfy.parallel import ParallelGroup
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="comfy.parallel groups run on Linux")
@@ -64,10 +67,6 @@ def test_sharded_matches_native_uneven_heads(world):
 def test_the_gather_is_chosen_only_for_comfyui_s_plain_linear():
     # a projection whose forward is not ComfyUI's plain Linear (mixed precision: quantized weights, whose
     # rows this code cannot cut) keeps the all-to-all, as does a width where the gather moves more
-    import comfy.ops
-    import minimax_h3_cases as cases
-    from comfy.ldm.minimax.ulysses import UlyssesParallel
-
     def gathers(world, operations):
         attn = cases.build_model({}, operations=operations).blocks[0].attn
         return UlyssesParallel(0, world, attn.heads, None).gathers(attn)

@@ -54,10 +54,11 @@ class UlyssesParallel:
         n = self.world_size
         rows = [b - a for a, b in shard.row_ranges]
         bounds = [sum(rows[:j]) for j in range(n + 1)]
+        heads_of = self._gathered_heads if self.gathers(attn) else self._exchanged_heads
 
         def forward(x, rope_freqs=None, transformer_options={}):
             s_r, d = x.shape[0], attn.head_dim
-            incoming = (self._gathered_heads if self.gathers(attn) else self._exchanged_heads)(attn, x, rope_freqs, rows, bounds)
+            incoming = heads_of(attn, x, rope_freqs, rows, bounds)
             returning = []
             for heads, ready in zip(self.chunk_heads, incoming):
                 width = [h1 - h0 for h0, h1 in heads]
@@ -141,9 +142,7 @@ class UlyssesParallel:
             return work.wait
         sizes = [[_fp8_bytes(shapes[i][j]) for j in range(n)] for i in range(n)]
         raw = [torch.empty(sizes[i][self.rank], dtype=torch.uint8, device=recvs[i].device) for i in range(n)]
-        packed = {}  # a gather sends one tensor to every rank: packed once
-        for t in sends:
-            packed.setdefault(id(t), t)
+        packed = {id(t): t for t in sends}  # a gather sends one tensor to every rank: packed once
         packed = {k: _fp8_pack(t) for k, t in packed.items()}
         work = self.transport.all_to_all([packed[id(t)] for t in sends], raw, sizes)
 
